@@ -1,0 +1,1 @@
+"""Configuration, Ray start-up and placement, the client handle, the job entrypoint."""

@@ -1,0 +1,1 @@
+"""Persistent batch, scheduler, drafter, detokenizer, the coordinator and its Ray wrapper."""

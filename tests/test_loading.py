@@ -1,0 +1,183 @@
+"""Loading custom processors by class, FQCN and entry point; every error path's message."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from coordinator.persistent_batch import BatchEntry, PersistentBatch
+from processors import (
+    BUILTIN_LOGITS_PROCESSORS,
+    LogitsProcessorLoadError,
+    ProcessorSpec,
+    SamplingParams,
+    build_logitsprocs,
+    validate_logits_processors_parameters,
+)
+from processors.examples import DummyLogitsProcessor, WrappedPerReqLogitsProcessor
+
+from helpers import VOCAB, engine_config
+
+EXAMPLES = [DummyLogitsProcessor, WrappedPerReqLogitsProcessor]
+
+
+def _custom(procs, cls):
+    return [p for p in procs.all if type(p) is cls]
+
+
+def run_rows(proc, target_rows: dict[int, int], n_rows: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put n_rows requests in a batch (rows in target_rows enable the processor) and apply it."""
+    batch = PersistentBatch(8)
+    entries = [
+        BatchEntry(
+            f"r{i}",
+            SamplingParams(extra_args={"target_token": target_rows[i]} if i in target_rows else None),
+            [1, 2],
+            [],
+        )
+        for i in range(n_rows)
+    ]
+    batch.update([], entries)
+    proc.update_state(batch.take_update())
+    logits = torch.randn(n_rows, VOCAB, generator=torch.Generator().manual_seed(0))
+    return logits, proc.apply(logits.clone())
+
+
+def check_only_enabled_rows_change(proc):
+    targets = {1: 7, 3: 12}
+    before, after = run_rows(proc, targets)
+    for row in range(before.shape[0]):
+        if row in targets:
+            assert after[row].argmax().item() == targets[row]
+            assert torch.isinf(after[row]).sum().item() == VOCAB - 1
+            assert after[row, targets[row]] == before[row, targets[row]]
+        else:
+            assert torch.equal(after[row], before[row])
+
+
+@pytest.mark.parametrize("cls", EXAMPLES)
+def test_examples_load_by_class_object(cls):
+    procs = build_logitsprocs(engine_config(), "cpu", False, custom=[cls])
+    assert [type(p) for p in procs.all][: len(BUILTIN_LOGITS_PROCESSORS)] != []
+    (proc,) = _custom(procs, cls)
+    check_only_enabled_rows_change(proc)
+
+
+@pytest.mark.parametrize("cls", EXAMPLES)
+def test_examples_load_by_fqcn(cls):
+    for name in (f"processors.examples:{cls.__name__}", f"processors.examples.{cls.__name__}"):
+        procs = build_logitsprocs(engine_config(), "cpu", False, custom=[name])
+        (proc,) = _custom(procs, cls)
+        check_only_enabled_rows_change(proc)
+
+
+def _install_plugin(tmp_path, monkeypatch, entry_points: str, module_source: str | None = None):
+    """A real installed distribution: a dist-info with entry_points.txt on sys.path."""
+    dist = tmp_path / "raysample_test_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: raysample-test-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[raysample.logits_processors]\n{entry_points}\n")
+    if module_source is not None:
+        (tmp_path / "raysample_test_plugin.py").write_text(module_source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_examples_load_by_entry_point(tmp_path, monkeypatch):
+    _install_plugin(
+        tmp_path,
+        monkeypatch,
+        "dummy = processors.examples:DummyLogitsProcessor\n"
+        "wrapped = processors.examples:WrappedPerReqLogitsProcessor\n"
+        "own = raysample_test_plugin:OwnProcessor",
+        textwrap.dedent(
+            """
+            from processors.examples import DummyLogitsProcessor
+
+            class OwnProcessor(DummyLogitsProcessor):
+                pass
+            """
+        ),
+    )
+    procs = build_logitsprocs(engine_config(), "cpu", False)
+    names = [type(p).__name__ for p in procs.all]
+    assert {"DummyLogitsProcessor", "WrappedPerReqLogitsProcessor", "OwnProcessor"} <= set(names)
+    # Builtins come first, then entry points.
+    ordered = [type(p).__name__ for p in procs.non_argmax_invariant]
+    assert ordered[:2] == ["MinTokensLogitsProcessor", "LogitBiasLogitsProcessor"]
+    for cls in EXAMPLES:
+        (proc,) = _custom(procs, cls)
+        check_only_enabled_rows_change(proc)
+    # Named both as entry point and explicitly: loaded once.
+    again = build_logitsprocs(engine_config(), "cpu", False, custom=[DummyLogitsProcessor])
+    assert len(_custom(again, DummyLogitsProcessor)) == 1
+
+
+def test_broken_entry_point_names_it(tmp_path, monkeypatch):
+    _install_plugin(tmp_path, monkeypatch, "broken = raysample_no_such_module:Thing")
+    with pytest.raises(LogitsProcessorLoadError, match="entry point 'broken'.*could not be loaded"):
+        build_logitsprocs(engine_config(), "cpu", False)
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("no_such_pkg.mod:Proc", "module 'no_such_pkg.mod' could not be imported"),
+        ("processors.examples:NoSuchClass", "'processors.examples' has no attribute 'NoSuchClass'"),
+        ("processors.examples:DummyLogitsProcessor.inner", "has no attribute 'inner'"),
+        ("processors.examples:logger", "is not a class"),
+        ("processors.examples:DummyPerReqLogitsProcessor", "is not a subclass of processors.LogitsProcessor"),
+        ("justaname", "is not a fully qualified class name"),
+        ("", "must be a non-empty string"),
+        (int, "is not a subclass of processors.LogitsProcessor"),
+        (ProcessorSpec("processors.examples:DummyLogitsProcessor", kwargs={"bogus": 1}), "failed in its constructor"),
+    ],
+)
+def test_load_errors_name_item_and_reason(item, message):
+    with pytest.raises(LogitsProcessorLoadError, match=message):
+        build_logitsprocs(engine_config(), "cpu", False, custom=[item])
+
+
+def test_processor_spec_passes_kwargs():
+    from processors import LogitsProcessor
+
+    class Scaled(LogitsProcessor):
+        def __init__(self, config, device, is_pin_memory, factor: float = 1.0):
+            self.factor = factor
+
+        def is_argmax_invariant(self):
+            return True
+
+        def update_state(self, batch_update):
+            pass
+
+        def apply(self, logits):
+            return logits * self.factor
+
+    procs = build_logitsprocs(engine_config(), "cpu", False, custom=[ProcessorSpec(Scaled, {"factor": 2.0})])
+    (proc,) = _custom(procs, Scaled)
+    assert proc.factor == 2.0
+
+
+def test_validate_params_runs_custom_validators():
+    ok = SamplingParams(extra_args={"target_token": 3})
+    validate_logits_processors_parameters([DummyLogitsProcessor], ok)
+    with pytest.raises(ValueError, match="target_token must be a non-negative integer token id, got 'x'"):
+        validate_logits_processors_parameters(
+            ["processors.examples:DummyLogitsProcessor"], SamplingParams(extra_args={"target_token": "x"})
+        )
+    validate_logits_processors_parameters(None, ok)
+
+
+def test_builtins_accept_any_duck_typed_config():
+    class Sched:
+        max_num_seqs = 4
+
+    class AnyConfig:
+        scheduler_config = Sched()
+        speculative_config = None
+
+    procs = build_logitsprocs(AnyConfig(), torch.device("cpu"), False)
+    assert len(procs) == 3
+    assert [type(p).__name__ for p in procs.argmax_invariant] == ["MinPLogitsProcessor"]
