@@ -8,6 +8,7 @@ admission (``update_from_generation_config`` adds EOS to the stop ids,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -26,6 +27,12 @@ class SamplingType(IntEnum):
 
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+def derive_request_key(request_id: str, engine_seed: int) -> int:
+    """A 63-bit key from the request id and engine seed (no Python ``hash()``: it varies per process)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _fail(field_name: str, message: str) -> ValueError:
@@ -93,6 +100,7 @@ class SamplingParams:
     _eos_token_id: int | None = field(default=None, repr=False, compare=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    _request_key: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
@@ -197,6 +205,17 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def sampling_key(self) -> int:
+        """Key of this request's random stream: its seed, else the key derived at admission."""
+        if self.seed is not None:
+            return self.seed
+        return self._request_key if self._request_key is not None else 0
+
+    def assign_request_key(self, request_id: str, engine_seed: int) -> None:
+        """Give an unseeded request a stream of its own, stable across processes."""
+        self._request_key = derive_request_key(request_id, engine_seed)
 
     @property
     def eos_token_id(self) -> int | None:

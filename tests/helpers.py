@@ -55,3 +55,55 @@ def reference_min_tokens(row: torch.Tensor, params: SamplingParams, output: list
         for tok in params.all_stop_token_ids:
             row[tok] = float("-inf")
     return row
+
+
+def reference_allowed(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if not params.allowed_token_ids:
+        return row
+    out = torch.full_like(row, float("-inf"))
+    ids = torch.tensor(params.allowed_token_ids)
+    out[ids] = row[ids]
+    return out
+
+
+def reference_bad_words(row: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:
+    row = row.clone()
+    for seq in params.bad_words_token_ids or []:
+        prefix = seq[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[-len(prefix):] == prefix):
+            row[seq[-1]] = float("-inf")
+    return row
+
+
+def reference_penalties(row: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Dense, vLLM-style: masks and bin counts over the whole vocabulary."""
+    row = row.clone()
+    vocab = row.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float()
+    seen = counts > 0
+    seen_any = seen | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=vocab) > 0)
+    rep = params.repetition_penalty
+    penalised = torch.where(row > 0, row / rep, row * rep)
+    row = torch.where(seen_any, penalised, row) if rep != 1.0 else row
+    row = row - params.frequency_penalty * counts * seen
+    row = row - params.presence_penalty * seen.float()
+    return row
+
+
+def reference_temperature(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return row if params.temperature < 1e-5 else row / params.temperature
+
+
+def reference_top_k_top_p(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Full sort of the vocabulary (what the fast path avoids)."""
+    row = row.clone()
+    if params.top_k > 0:
+        kth = torch.sort(row, descending=True).values[min(params.top_k, row.shape[0]) - 1]
+        row[row < kth] = float("-inf")
+    if params.top_p < 1.0:
+        values = torch.sort(row, descending=True).values
+        probs = torch.exp(values - torch.logsumexp(row, dim=0))
+        mass_above = probs.cumsum(0) - probs
+        kept = int((mass_above < params.top_p).sum())
+        row[row < values[kept - 1]] = float("-inf")
+    return row

@@ -1,0 +1,90 @@
+"""Dense per-row columns that follow the BatchUpdate stream.
+
+Several stages keep one value per persistent-batch row (a temperature, a
+penalty, a seed). This keeps such columns in preallocated numpy arrays and
+applies removes, adds and moves to all of them at once, so each stage only
+says which values an added request brings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from processors.interface import BatchUpdate, MoveDirectionality
+from processors.sampling_params import SamplingParams
+
+ValuesOfAdded = Callable[[SamplingParams, "list[int] | None", "list[int]"], "dict[str, Any] | None"]
+
+
+class RowColumns:
+    """Named numpy columns of length ``max_rows``; a row off the stage holds the defaults."""
+
+    def __init__(self, max_rows: int, columns: dict[str, tuple[Any, Any]]) -> None:
+        self.defaults = {name: default for name, (_, default) in columns.items()}
+        self.arrays: dict[str, np.ndarray] = {}
+        for name, (dtype, default) in columns.items():
+            array = np.empty(max_rows, dtype=dtype)
+            array.fill(default)
+            self.arrays[name] = array
+        self.batch_size = 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    def _reset(self, row: int) -> None:
+        for name, array in self.arrays.items():
+            array[row] = self.defaults[name]
+
+    def update(self, batch_update: BatchUpdate | None, values_of_added: ValuesOfAdded) -> bool:
+        """Apply removes, adds, moves; return whether any row's values changed."""
+        if batch_update is None:
+            return False
+        for row in batch_update.removed:
+            self._reset(row)
+        for row, params, prompt, output in batch_update.added:
+            values = values_of_added(params, prompt, output)
+            self._reset(row)
+            for name, value in (values or {}).items():
+                self.arrays[name][row] = value
+        for a, b, direction in batch_update.moved:
+            for name, array in self.arrays.items():
+                value_a = array[a]
+                array[a] = array[b] if direction == MoveDirectionality.SWAP else self.defaults[name]
+                array[b] = value_a
+        self.batch_size = batch_update.batch_size
+        return True
+
+    def active_rows(self, mask: np.ndarray, rows: slice | None = None) -> np.ndarray:
+        """Absolute indices of rows in ``rows`` (default: the whole batch) where ``mask`` holds."""
+        start = 0 if rows is None else rows.start
+        stop = self.batch_size if rows is None else rows.stop
+        return np.flatnonzero(mask[start:stop]) + start
+
+
+def rows_of(logits: torch.Tensor, rows: slice | None) -> slice:
+    """The persistent-batch rows a logits tensor holds."""
+    return slice(0, logits.shape[0]) if rows is None else rows
+
+
+def apply_on_rows(
+    logits: torch.Tensor,
+    local_rows: np.ndarray,
+    fn: Callable[[torch.Tensor, np.ndarray], torch.Tensor],
+) -> torch.Tensor:
+    """Run ``fn(sub_logits, local_rows)`` on some rows only, writing the result back.
+
+    Operations are row-wise, so a row's result is the same whether it is
+    processed alone, with the others, or through the full tensor.
+    """
+    if local_rows.size == 0:
+        return logits
+    if local_rows.size == logits.shape[0]:
+        return fn(logits, local_rows)
+    index = torch.from_numpy(local_rows).to(logits.device)
+    sub = fn(logits.index_select(0, index), local_rows)
+    logits.index_copy_(0, index, sub)
+    return logits

@@ -1,0 +1,100 @@
+"""Top-k then top-p filtering without sorting the whole vocabulary.
+
+Top-k needs only the k largest values. Top-p needs the smallest set of most
+likely tokens whose mass reaches p; it looks at the top ``m`` candidates and
+widens ``m`` (x4) only for rows whose top ``m`` do not reach p yet, so a full
+sort happens only for the rare very flat row. Cut-offs are thresholds on
+values, so tied tokens are kept together and the result does not depend on
+sort order or on which other rows are in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from processors.digest import digest_of
+from processors.interface import BatchUpdate
+from processors.row_state import RowColumns, apply_on_rows
+from processors.rowwise import RowwiseLogitsProcessor
+
+FIRST_TOP_P_CANDIDATES = 64
+
+
+def top_k_threshold(logits: torch.Tensor, k: np.ndarray) -> torch.Tensor:
+    """(rows, 1) value of each row's k-th largest logit; -inf where k == 0 (off)."""
+    k_max = int(k.max())
+    top = logits.topk(k_max, dim=-1, sorted=True).values
+    kth = top.gather(1, torch.from_numpy(np.maximum(k, 1) - 1).to(logits.device).unsqueeze(1))
+    off = torch.from_numpy(k == 0).to(logits.device).unsqueeze(1)
+    return kth.masked_fill_(off, float("-inf"))
+
+
+def top_p_threshold(logits: torch.Tensor, p: np.ndarray, first: int = FIRST_TOP_P_CANDIDATES) -> torch.Tensor:
+    """(rows, 1) smallest logit kept by top-p: tokens are kept while the mass of the
+    tokens ranked above them is below p (so at least the top token survives)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    p_t = torch.from_numpy(p.astype(np.float32)).to(device).unsqueeze(1)
+    thresholds = torch.empty(rows, 1, dtype=logits.dtype, device=device)
+    pending = torch.arange(rows, device=device)
+    m = min(vocab, first)
+    while pending.numel():
+        sub = logits.index_select(0, pending)
+        values = sub.topk(m, dim=-1, sorted=True).values  # (pending, m), descending
+        probs = (values - log_norm[pending]).exp_()
+        mass_above = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
+        kept = (mass_above < p_t[pending]).sum(dim=-1, keepdim=True)  # >= 1
+        reached = (mass_above[:, -1:] + probs[:, -1:]) >= p_t[pending]
+        exhausted = values[:, -1:] == float("-inf")
+        done = (reached | exhausted).squeeze(1) | (m == vocab)
+        thresholds[pending[done]] = values[done].gather(1, kept[done] - 1)
+        pending = pending[~done]
+        m = min(vocab, m * 4)
+    return thresholds
+
+
+class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
+    """Keeps each row's top-k tokens (ties kept), then its top-p nucleus of those."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows = RowColumns(
+            vllm_config.scheduler_config.max_num_seqs, {"top_k": (np.int64, 0), "top_p": (np.float32, 1.0)}
+        )
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def values(params, _, __):
+            if params.top_k <= 0 and params.top_p >= 1.0:
+                return None
+            return {"top_k": max(params.top_k, 0), "top_p": params.top_p}
+
+        self.rows.update(batch_update, values)
+
+    def apply_rows(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        k = np.minimum(self.rows["top_k"][rows.start : rows.stop], logits.shape[1])
+        p = self.rows["top_p"][rows.start : rows.stop]
+        local = np.flatnonzero((k > 0) | (p < 1.0))
+        return apply_on_rows(logits, local, lambda sub, idx: self._filter(sub, k[idx], p[idx]))
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, k: np.ndarray, p: np.ndarray) -> torch.Tensor:
+        if (k > 0).any():
+            logits.masked_fill_(logits < top_k_threshold(logits, k), float("-inf"))
+        nucleus = np.flatnonzero(p < 1.0)
+        if nucleus.size:
+
+            def cut(sub: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+                return sub.masked_fill_(sub < top_p_threshold(sub, p[idx]), float("-inf"))
+
+            logits = apply_on_rows(logits, nucleus, cut)
+        return logits
+
+    def state_digest(self) -> bytes:
+        n = self.rows.batch_size
+        return digest_of("top_k_top_p", self.rows["top_k"][:n].copy(), self.rows["top_p"][:n].copy())

@@ -1,0 +1,253 @@
+"""The sampler: every sampling feature is a ``LogitsProcessor`` on one BatchUpdate stream.
+
+Order, as vLLM's ``Sampler`` (see DESIGN.md "Sampler pipeline"):
+
+1. raw logprobs of the rows that asked (from the logits as the model gave them)
+2. float32
+3. allowed token ids
+4. bad words
+5. non-argmax-invariant processors: min tokens, logit bias, custom ones
+6. repetition / frequency / presence penalties
+7. greedy argmax
+8. temperature                                        \
+9. argmax-invariant processors: min-p, custom ones    |- skipped when the
+10. top-k then top-p                                  |  whole batch is greedy
+11. random sample (Gumbel-max, counter-based noise)   /
+
+A call may cover only some rows (a worker's shard): stages with
+``apply_rows`` see just those rows, any other processor sees a full-batch
+view whose other rows are filler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from processors import BatchUpdate, LogitsProcessor, SamplingParams, build_logitsprocs
+from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
+from processors.bad_words import BadWordsLogitsProcessor
+from processors.loading import CustomProcessor
+from processors.penalties import PenaltiesLogitsProcessor
+from processors.row_state import RowColumns
+from processors.sampling_params import SAMPLING_EPS
+from processors.temperature import TemperatureLogitsProcessor
+from processors.top_k_top_p import TopKTopPLogitsProcessor
+from workers.counter_rng import gumbel, stream_base
+
+
+class LogitsProcessorError(RuntimeError):
+    """A processor raised while the sampler ran it; the message names the processor."""
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled position, from the raw (unprocessed) logits."""
+
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int  # 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # (num_rows,) int64, rows of the call in order
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by persistent-batch row
+
+
+def processor_name(proc: object) -> str:
+    cls = type(proc)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Sampler:
+    """Owns every sampling stage and feeds them the same BatchUpdate stream."""
+
+    def __init__(
+        self,
+        config: Any,
+        device: torch.device | str,
+        custom_logitsprocs: Sequence[CustomProcessor] = (),
+        is_pin_memory: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        args = (config, self.device, is_pin_memory)
+        self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
+        self.bad_words = BadWordsLogitsProcessor(*args)
+        self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, custom_logitsprocs)
+        self.penalties = PenaltiesLogitsProcessor(*args)
+        self.temperature = TemperatureLogitsProcessor(*args)
+        self.top_k_top_p = TopKTopPLogitsProcessor(*args)
+        self.rows = RowColumns(
+            config.scheduler_config.max_num_seqs,
+            {
+                "greedy": (np.bool_, True),
+                "key": (np.int64, 0),
+                "num_logprobs": (np.int64, -1),  # -1: not asked
+                "prompt_len": (np.int64, 0),
+                "output": (object, None),
+            },
+        )
+
+    @property
+    def stages(self) -> list[LogitsProcessor]:
+        """Every stage in pipeline order."""
+        return [
+            self.allowed_token_ids,
+            self.bad_words,
+            *self.logitsprocs.non_argmax_invariant,
+            self.penalties,
+            self.temperature,
+            *self.logitsprocs.argmax_invariant,
+            self.top_k_top_p,
+        ]
+
+    # ----- state -----
+
+    @staticmethod
+    def _row_values(params: SamplingParams, prompt: list[int] | None, output: list[int]) -> dict[str, Any]:
+        return {
+            "greedy": params.temperature < SAMPLING_EPS,
+            "key": params.sampling_key,
+            "num_logprobs": -1 if params.logprobs is None else params.logprobs,
+            "prompt_len": len(prompt) if prompt is not None else 0,
+            "output": output,
+        }
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        self.rows.update(batch_update, self._row_values)
+        for stage in self.stages:
+            try:
+                stage.update_state(batch_update)
+            except Exception as exc:
+                raise LogitsProcessorError(
+                    f"Logits processor {processor_name(stage)} raised in update_state: {type(exc).__name__}: {exc}"
+                ) from exc
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.batch_size
+
+    def all_greedy(self) -> bool:
+        return bool(self.rows["greedy"][: self.batch_size].all())
+
+    def state_digests(self) -> dict[str, bytes]:
+        """Per-stage digests (stages without ``state_digest`` are left out)."""
+        out = {}
+        for stage in self.stages:
+            digest = getattr(stage, "state_digest", None)
+            if digest is not None:
+                out[processor_name(stage)] = digest()
+        return out
+
+    @staticmethod
+    def validate(params: SamplingParams, vocab_size: int) -> None:
+        """Reject token ids the sampler would index out of range (called at admission)."""
+        checks = {
+            "logit_bias": list(params.logit_bias or ()),
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "stop_token_ids": sorted(params.all_stop_token_ids),
+            "bad_words": [t for seq in params.bad_words_token_ids or () for t in seq],
+        }
+        for name, ids in checks.items():
+            bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+            if bad:
+                raise ValueError(f"{name} has token id(s) {bad[:8]} outside the vocabulary [0, {vocab_size}).")
+
+    # ----- sampling -----
+
+    def _run(self, proc: LogitsProcessor, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        try:
+            apply_rows = getattr(proc, "apply_rows", None)
+            if apply_rows is not None:
+                return apply_rows(logits, rows)
+            if rows.start == 0 and rows.stop == self.batch_size:
+                return proc.apply(logits)
+            # Full-batch view: the shard's rows are real, the others are filler.
+            full = logits.new_zeros(self.batch_size, logits.shape[1])
+            full[rows] = logits
+            return proc.apply(full)[rows]
+        except Exception as exc:
+            raise LogitsProcessorError(
+                f"Logits processor {processor_name(proc)} raised in apply: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
+        logprobs = torch.log_softmax(raw.float(), dim=-1)  # (len(local), vocab)
+        counts = self.rows["num_logprobs"][local + rows.start]
+        n_max = int(counts.max())
+        top = logprobs.topk(n_max, dim=-1) if n_max else None
+        chosen = sampled[torch.from_numpy(local).to(sampled.device)]
+        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+        ranks = (logprobs >= chosen_lp).sum(dim=-1)
+        out = {}
+        for i, (row, n) in enumerate(zip(local + rows.start, counts)):
+            out[int(row)] = TokenLogprobs(
+                top_token_ids=top.indices[i, :n].tolist() if top is not None else [],
+                top_logprobs=top.values[i, :n].tolist() if top is not None else [],
+                sampled_token_id=int(chosen[i]),
+                sampled_logprob=float(chosen_lp[i, 0]),
+                sampled_rank=int(ranks[i]),
+            )
+        return out
+
+    def __call__(self, logits: torch.Tensor, rows: slice | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (persistent-batch rows ``rows``).
+
+        ``logits`` may be modified in place.
+        """
+        rows = slice(0, logits.shape[0]) if rows is None else rows
+        if rows.stop - rows.start != logits.shape[0] or rows.stop > self.batch_size:
+            raise ValueError(
+                f"logits hold {logits.shape[0]} rows but rows={rows} with batch size {self.batch_size}"
+            )
+        logprob_local = np.flatnonzero(self.rows["num_logprobs"][rows.start : rows.stop] >= 0)
+        raw = logits[torch.from_numpy(logprob_local).to(logits.device)] if logprob_local.size else None
+
+        logits = logits.to(torch.float32)
+        logits = self._run(self.allowed_token_ids, logits, rows)
+        logits = self._run(self.bad_words, logits, rows)
+        for proc in self.logitsprocs.non_argmax_invariant:
+            logits = self._run(proc, logits, rows)
+        logits = self._run(self.penalties, logits, rows)
+
+        greedy = self.rows["greedy"][rows.start : rows.stop]
+        sampled = logits.argmax(dim=-1)
+        if not self.all_greedy():
+            logits = self._run(self.temperature, logits, rows)
+            for proc in self.logitsprocs.argmax_invariant:
+                logits = self._run(proc, logits, rows)
+            logits = self._run(self.top_k_top_p, logits, rows)
+            random_local = np.flatnonzero(~greedy)
+            if random_local.size:
+                sampled[torch.from_numpy(random_local).to(sampled.device)] = self._sample_random(
+                    logits, random_local, rows
+                )
+        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64))
+        if raw is not None:
+            out.logprobs = self._logprobs(raw, logprob_local, rows, out.sampled_token_ids)
+        return out
+
+    def positions(self, absolute_rows: np.ndarray) -> np.ndarray:
+        """Absolute position of the token each row samples next: prompt + output so far."""
+        outputs = self.rows["output"]
+        return self.rows["prompt_len"][absolute_rows] + np.fromiter(
+            (len(outputs[r]) for r in absolute_rows), dtype=np.int64, count=len(absolute_rows)
+        )
+
+    def _sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice) -> torch.Tensor:
+        absolute = local + rows.start
+        device = logits.device
+        base = stream_base(
+            torch.from_numpy(self.rows["key"][absolute]).to(device),
+            torch.from_numpy(self.positions(absolute)).to(device),
+        )
+        sub = logits.index_select(0, torch.from_numpy(local).to(device)) if local.size != logits.shape[0] else logits
+        vocab_ids = torch.arange(sub.shape[1], device=device)
+        return (sub + gumbel(base, vocab_ids)).argmax(dim=-1)
