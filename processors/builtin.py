@@ -15,6 +15,7 @@ import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from processors.row_state import apply_on_rows
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
 
@@ -37,18 +38,9 @@ class MinPLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = torch.device(device)
-        self.min_p_count = 0
-        self.min_p_cpu_tensor = torch.zeros((max_num_reqs,), dtype=torch.float32)
-        self.min_p_cpu = self.min_p_cpu_tensor.numpy()  # shares memory with the tensor
-        self.use_double_tensor = self.device.type != "cpu"
-        self.min_p_device = (
-            torch.empty((max_num_reqs,), dtype=torch.float32, device=self.device)
-            if self.use_double_tensor
-            else self.min_p_cpu_tensor
-        )
+        self.min_p_count = 0  # rows with min-p on
+        self.min_p_cpu = np.zeros((max_num_reqs,), dtype=np.float32)
         self.batch_size = 0
-        # (batch_size, 1) view used for broadcasting in apply.
-        self.min_p: torch.Tensor = self.min_p_device[:0].unsqueeze(1)
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -61,12 +53,10 @@ class MinPLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if not batch_update:
             return
-        needs_update = False
         cpu = self.min_p_cpu
         for index, params, _, _ in batch_update.added:
             new, old = params.min_p, cpu[index]
             if new != old:
-                needs_update = True
                 cpu[index] = new
                 if new and not old:
                     self.min_p_count += 1
@@ -77,12 +67,8 @@ class MinPLogitsProcessor(LogitsProcessor):
                 if cpu[index]:
                     cpu[index] = 0
                     self.min_p_count -= 1
-                    needs_update = True
             for a, b, direction in batch_update.moved:
                 val_a, val_b = cpu[a], cpu[b]
-                if val_a == val_b and direction == MoveDirectionality.SWAP:
-                    continue
-                needs_update = True
                 cpu[b] = val_a
                 if direction == MoveDirectionality.SWAP:
                     cpu[a] = val_b
@@ -90,12 +76,7 @@ class MinPLogitsProcessor(LogitsProcessor):
                     cpu[a] = 0
                     if val_b:  # the overwritten request had min-p on
                         self.min_p_count -= 1
-        size = batch_update.batch_size
-        if needs_update or size != self.batch_size:
-            self.batch_size = size
-            if self.use_double_tensor:
-                self.min_p_device[:size].copy_(self.min_p_cpu_tensor[:size], non_blocking=True)
-            self.min_p = self.min_p_device[:size].unsqueeze(1)
+        self.batch_size = batch_update.batch_size
 
     def _mask(self, logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
         # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p): no softmax needed.
@@ -105,15 +86,12 @@ class MinPLogitsProcessor(LogitsProcessor):
     def _apply_span(self, logits: torch.Tensor, start: int) -> torch.Tensor:
         stop = start + logits.shape[0]
         active = np.flatnonzero(self.min_p_cpu[start:stop])
-        if active.size == 0:
-            return logits
-        if active.size == logits.shape[0]:
-            return self._mask(logits, self.min_p_device[start:stop].unsqueeze(1))
-        idx = torch.from_numpy(active)
-        sub = logits.index_select(0, _to_device(idx, logits.device))
-        sub = self._mask(sub, _to_device(self.min_p_cpu_tensor[start + idx], logits.device).unsqueeze(1))
-        logits.index_copy_(0, _to_device(idx, logits.device), sub)
-        return logits
+
+        def mask(sub: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+            min_p = torch.from_numpy(self.min_p_cpu[idx + start]).to(sub.device).unsqueeze(1)
+            return self._mask(sub, min_p)
+
+        return apply_on_rows(logits, active, mask)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.min_p_count:

@@ -70,21 +70,34 @@ def rows_of(logits: torch.Tensor, rows: slice | None) -> slice:
     return slice(0, logits.shape[0]) if rows is None else rows
 
 
+# Work on at most this many bytes of logits at once: temporaries stay in cache
+# and below the allocator's mmap threshold (fresh large buffers cost page faults).
+CHUNK_BYTES = 4 << 20
+
+
+def rows_per_chunk(logits: torch.Tensor) -> int:
+    return max(1, CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size()))
+
+
 def apply_on_rows(
     logits: torch.Tensor,
     local_rows: np.ndarray,
     fn: Callable[[torch.Tensor, np.ndarray], torch.Tensor],
 ) -> torch.Tensor:
-    """Run ``fn(sub_logits, local_rows)`` on some rows only, writing the result back.
+    """Run ``fn(sub_logits, local_rows_of_sub)`` on some rows only, writing results back.
 
-    Operations are row-wise, so a row's result is the same whether it is
-    processed alone, with the others, or through the full tensor.
+    Rows go through in cache-sized chunks (views when contiguous). Stages are
+    row-wise, so a row's result does not depend on which rows share its chunk.
     """
-    if local_rows.size == 0:
-        return logits
-    if local_rows.size == logits.shape[0]:
-        return fn(logits, local_rows)
-    index = torch.from_numpy(local_rows).to(logits.device)
-    sub = fn(logits.index_select(0, index), local_rows)
-    logits.index_copy_(0, index, sub)
+    step = rows_per_chunk(logits)
+    for start in range(0, local_rows.size, step):
+        idx = local_rows[start : start + step]
+        if idx[-1] - idx[0] + 1 == idx.size:
+            view = logits[int(idx[0]) : int(idx[-1]) + 1]
+            out = fn(view, idx)
+            if out.data_ptr() != view.data_ptr():
+                view.copy_(out)
+        else:
+            index = torch.from_numpy(idx).to(logits.device)
+            logits.index_copy_(0, index, fn(logits.index_select(0, index), idx))
     return logits

@@ -37,7 +37,7 @@ from processors.row_state import RowColumns
 from processors.sampling_params import SAMPLING_EPS
 from processors.temperature import TemperatureLogitsProcessor
 from processors.top_k_top_p import TopKTopPLogitsProcessor
-from workers.counter_rng import gumbel, stream_base
+from workers.counter_rng import gumbel_argmax, stream_base
 
 
 class LogitsProcessorError(RuntimeError):
@@ -248,6 +248,4 @@ class Sampler:
             torch.from_numpy(self.rows["key"][absolute]).to(device),
             torch.from_numpy(self.positions(absolute)).to(device),
         )
-        sub = logits.index_select(0, torch.from_numpy(local).to(device)) if local.size != logits.shape[0] else logits
-        vocab_ids = torch.arange(sub.shape[1], device=device)
-        return (sub + gumbel(base, vocab_ids)).argmax(dim=-1)
+        return gumbel_argmax(logits, base, torch.from_numpy(local).to(device))
