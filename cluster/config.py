@@ -1,0 +1,155 @@
+"""The job configuration: one pydantic schema, validated once on load, never mutated.
+
+A YAML file (or a dict) maps onto ``RaysampleConfig``; unknown keys and wrong
+types are errors naming the key path and the expected type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from processors import EngineConfig, ProcessorSpec, SchedulerConfig, SpeculativeConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    """``path`` is a local directory or hub id; ``tiny`` names a locally built test model instead."""
+
+    path: str | None = None
+    tiny: str | None = None
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=2)
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSettings:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of model.path (directory or hub id) or model.tiny (preset name)")
+        return self
+
+    def resolve_path(self) -> str:
+        """Directory or hub id to load from (builds the tiny model on first use)."""
+        if self.tiny is not None:
+            from workers.tiny import ensure_tiny_model
+
+            return str(ensure_tiny_model(self.tiny))
+        return str(self.path)
+
+
+class ClusterSettings(_Section):
+    address: str = "local"  # local | auto | ray://host:port | host:port
+    num_workers: int = Field(default=1, ge=1)
+    gpus_per_worker: float = Field(default=0.0, ge=0.0)
+    cpus_per_worker: float = Field(default=1.0, gt=0.0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    coordinator_name: str = "raysample-coordinator"
+    namespace: str = "raysample"
+    call_timeout_s: float = Field(default=120.0, gt=0.0)
+
+
+class SchedulerSettings(_Section):
+    max_num_seqs: int = Field(default=64, ge=1)
+    # Slots (KV cache rows) per worker; default: max_num_seqs (one worker may hold every request).
+    max_num_seqs_per_worker: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    consistency_check_every: int = Field(default=0, ge=0)
+
+    def slots_per_worker(self) -> int:
+        return self.max_num_seqs_per_worker or self.max_num_seqs
+
+
+class ProcessorItem(_Section):
+    class_: str = Field(alias="class")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class SpeculativeSettings(_Section):
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=1, ge=1)
+    prompt_lookup_max: int = Field(default=3, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
+class ReasoningSettings(_Section):
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+class RaysampleConfig(_Section):
+    model: ModelSettings
+    cluster: ClusterSettings = ClusterSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    processors: list[Union[str, ProcessorItem]] = Field(default_factory=list)
+    speculative: SpeculativeSettings | None = None
+    reasoning: ReasoningSettings | None = None
+    defaults: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("defaults")
+    @classmethod
+    def _defaults_are_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from processors import SamplingParams
+
+        SamplingParams.from_dict(value)  # raises ValueError naming the field
+        return value
+
+    def custom_processors(self) -> list[str | ProcessorSpec]:
+        return [p if isinstance(p, str) else ProcessorSpec(p.class_, dict(p.kwargs)) for p in self.processors]
+
+    def engine_config(self) -> EngineConfig:
+        """What processor constructors receive (vLLM's ``VllmConfig`` attributes they read)."""
+        spec = self.speculative
+        return EngineConfig(
+            scheduler_config=SchedulerConfig(max_num_seqs=self.scheduler.max_num_seqs),
+            speculative_config=None
+            if spec is None
+            else SpeculativeConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),
+        )
+
+
+class ConfigError(ValueError):
+    """A configuration could not be loaded; the message names every offending key."""
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {path}: {err['msg']}")
+    return "invalid raysample config:\n" + "\n".join(lines)
+
+
+def load_config(source: RaysampleConfig | dict[str, Any] | str | Path) -> RaysampleConfig:
+    """Validate a config given as an object, a dict, or a YAML file path."""
+    if isinstance(source, RaysampleConfig):
+        return source
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        source = data
+    try:
+        return RaysampleConfig.model_validate(source)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None

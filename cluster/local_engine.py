@@ -1,0 +1,105 @@
+"""The whole engine in one process: coordinator and workers as plain objects.
+
+Same step loop as the Ray deployment (which only hosts these objects in
+actors); used by most tests and by single-machine runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.audit import check_consistency
+from cluster.config import RaysampleConfig, load_config
+from coordinator.coordinator import coordinator_from_config
+from coordinator.request import RequestOutput
+from processors import SamplingParams
+from workers.worker import Worker
+
+Prompt = str | list[int]
+
+
+def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
+    """A GPU only when the config asks for one and this process can see one."""
+    if config.cluster.gpus_per_worker > 0 and torch.cuda.is_available():
+        return torch.device("cuda", worker_id % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _as_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+class LocalEngine:
+    def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
+        self.config = load_config(config)
+        model_path = self.config.model.resolve_path()
+        self.coordinator = coordinator_from_config(self.config, model_path)
+        self.workers = [
+            Worker.from_config(i, self.config, model_path, local_device(self.config, i))
+            for i in range(self.config.cluster.num_workers)
+        ]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.coordinator.tokenizer
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        return self.coordinator.add_request(prompt, params, request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.coordinator.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.coordinator.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that changed."""
+        plan = self.coordinator.next_plan()
+        if plan is None:
+            return self.coordinator.take_outputs()
+        results = [worker.step(plan) for worker in self.workers]
+        if plan.audit:
+            check_consistency(plan.step, results)
+        return self.coordinator.process(plan, results)
+
+    def submit(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
+        """Queue prompts (one prompt may be text or a token-id list); return their request ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [self.add_request(p, sp) for p, sp in zip(prompts, _as_list(params, len(prompts)))]
+
+    def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
+        """Step until these requests finish, yielding their outputs as they change."""
+        wanted = set(request_ids)
+        pending = {rid for rid in wanted if not self.coordinator.requests[rid].finished}
+        for out in self.coordinator.take_outputs():
+            if out.request_id in wanted:
+                yield out
+        while pending:
+            for out in self.step():
+                if out.request_id in wanted:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput every time one of these requests gains text or finishes."""
+        return self.run(self.submit(prompts, params))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        ids = self.submit(prompts, params)
+        final = {out.request_id: out for out in self.run(ids) if out.finished}
+        return [final[rid] for rid in ids]

@@ -1,0 +1,319 @@
+"""The coordinator: requests, admission, the persistent batch and the plan of every step.
+
+It never touches logits. Each step it takes the workers' sampled tokens,
+applies stop conditions and detokenization, then admits waiting requests,
+builds the BatchUpdate (with swaps that keep each worker's shard contiguous)
+and emits the next ``StepPlan``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.persistent_batch import BatchEntry, PersistentBatch
+from coordinator.plan import AddedRow, PlanUpdate, StepPlan, StepResult
+from coordinator.request import FinishReason, Request, RequestOutput, RequestStatus
+from coordinator.scheduler import Scheduler, group_by_owner
+from processors import SamplingParams, validate_logits_processors_parameters
+from processors.sampling_params import SAMPLING_EPS
+from workers.sampler import Sampler, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the coordinator needs to know about the model (no weights)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    generation_config: dict[str, Any]
+
+    @classmethod
+    def load(cls, model_path: str, max_model_len: int | None, tokenizer: Any, trust_remote_code: bool = False) -> ModelInfo:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        limit = getattr(config, "max_position_embeddings", None) or max_model_len or 2048
+        try:
+            generation = GenerationConfig.from_pretrained(model_path).to_dict()
+        except OSError:
+            generation = {}
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            gen_eos = generation.get("eos_token_id")
+            eos = gen_eos[0] if isinstance(gen_eos, list) and gen_eos else gen_eos
+        return cls(
+            vocab_size=config.vocab_size,
+            max_model_len=min(max_model_len or limit, limit),
+            eos_token_id=eos,
+            generation_config={"eos_token_id": generation.get("eos_token_id")},
+        )
+
+
+class Coordinator:
+    def __init__(self, tokenizer: Any, model: ModelInfo, max_num_seqs: int, num_workers: int, slots_per_worker: int,
+                 seed: int = 0, custom_processors: Sequence[Any] = (), consistency_check_every: int = 0,
+                 default_params: SamplingParams | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.seed = seed
+        self.custom_processors = tuple(custom_processors)
+        self.consistency_check_every = consistency_check_every
+        self.default_params = default_params or SamplingParams()
+        self.scheduler = Scheduler(max_num_seqs, num_workers, slots_per_worker)
+        self.batch = PersistentBatch(max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (text chars, tokens) already reported
+        self._to_remove: list[str] = []  # running requests to drop from the batch at the next plan
+        self._last_tokens: list[list[int]] = []
+        self._step = 0
+        self._ids = itertools.count()
+        self._pending_outputs: dict[str, Request] = {}
+
+    # ----- requests -----
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; one that fails validation finishes at once with an error."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests and not self.requests[request_id].finished:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or self.default_params).clone()
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            prompt_ids = self._prompt_ids(prompt)
+        except ValueError as exc:
+            prompt_ids = []
+            error = str(exc)
+        else:
+            error = self._admission_error(prompt_ids, params, request_id)
+        request = Request(request_id, text, prompt_ids, params)
+        if params.logprobs is not None:
+            request.logprobs = []
+        self.requests[request_id] = request
+        self._emitted[request_id] = (0, 0)
+        if error is not None:
+            request.finish(FinishReason.ERROR, error=error)
+            self._pending_outputs[request_id] = request
+            return request_id
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return list(prompt)
+
+    def _admission_error(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str | None:
+        """Complete the params for this model and check everything; return the problem, if any."""
+        vocab, limit = self.model.vocab_size, self.model.max_model_len
+        if not prompt_ids:
+            return "prompt is empty"
+        bad = sorted({t for t in prompt_ids if not 0 <= t < vocab})
+        if bad:
+            return f"prompt has token id(s) {bad[:8]} outside the vocabulary [0, {vocab})"
+        if len(prompt_ids) >= limit:
+            return (f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
+                    "which leaves no room to generate")
+        try:
+            params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
+            params.update_from_tokenizer(self.tokenizer)
+            Sampler.validate(params, vocab)
+            validate_logits_processors_parameters(self.custom_processors, params)
+        except ValueError as exc:
+            return str(exc)
+        except Exception as exc:  # a custom validate_params that is not a ValueError
+            return f"{type(exc).__name__}: {exc}"
+        params.assign_request_key(request_id, self.seed)
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; returns False if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        if request.status == RequestStatus.WAITING:
+            self.scheduler.remove_waiting(request_id)
+        else:
+            self._to_remove.append(request_id)
+        request.finish(FinishReason.ABORT)
+        self._finalize_text(request)
+        self._pending_outputs[request_id] = request
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting) or self.batch.num_reqs > 0 or bool(self._to_remove)
+
+    def num_running(self) -> int:
+        return self.batch.num_reqs
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ----- one step -----
+
+    def next_plan(self) -> StepPlan | None:
+        """Retire finished rows, admit waiting requests, and describe the step; None when idle."""
+        finished = list(dict.fromkeys(self._to_remove))
+        self._to_remove = []
+        for rid in finished:
+            self.scheduler.release(self.requests[rid])
+        admitted = self.scheduler.admit(self.batch.num_reqs - len(finished))
+        for request in admitted:
+            request.status = RequestStatus.RUNNING
+        entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in admitted]
+        if not finished and not entries and self.batch.num_reqs == 0:
+            return None
+        rows = self.batch.update(finished, entries)
+        owners = {rid: self.requests[rid].owner for rid in self.batch.request_ids()}
+        shards = group_by_owner(self.batch, owners, self.scheduler.num_workers)
+        update = self.batch.take_update()
+        plan_update = None
+        if update is not None:
+            added = [
+                AddedRow(row, r.request_id, r.params, list(r.prompt_token_ids), list(r.output_token_ids), r.owner)
+                for row, r in zip(rows, admitted)
+            ]
+            plan_update = PlanUpdate(update.batch_size, list(update.removed), added, list(update.moved))
+        self._step += 1
+        every = self.consistency_check_every
+        plan = StepPlan(
+            step=self._step,
+            last_tokens=self._last_tokens,
+            update=plan_update,
+            shards=shards,
+            all_greedy=all(e.params.temperature < SAMPLING_EPS for e in self.batch.entries()),
+            audit=bool(every) and self._step % every == 0,
+        )
+        self._last_tokens = []
+        return plan
+
+    def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
+        """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
+        by_row: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
+        for result in results:
+            start = result.rows[0]
+            for i, tokens in enumerate(result.tokens):
+                lps = result.logprobs[i] if result.logprobs else None
+                by_row[start + i] = (tokens, lps)
+        last_tokens = []
+        now = time.monotonic()
+        for row, entry in enumerate(self.batch.entries()):
+            request = self.requests[entry.request_id]
+            if request.finished:  # aborted while the step ran
+                last_tokens.append([])
+                continue
+            if row not in by_row:
+                raise RuntimeError(f"step {plan.step}: no worker returned row {row} ({entry.request_id})")
+            tokens, lps = by_row[row]
+            accepted = self._accept(request, tokens, lps)
+            if accepted and request.first_token_time is None:
+                request.first_token_time = now
+            last_tokens.append(accepted)
+            self._pending_outputs[request.request_id] = request
+            if request.finished:
+                self._to_remove.append(request.request_id)
+        self._last_tokens = last_tokens
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self._pending_outputs.values()]
+        self._pending_outputs = {}
+        return outputs
+
+    # ----- stop conditions -----
+
+    def _accept(self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> list[int]:
+        """Append tokens in order until one finishes the request; later ones are dropped."""
+        params = request.params
+        detok = self.detokenizers[request.request_id]
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
+        accepted = []
+        for i, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            accepted.append(token)
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            delta = detok.push(token)
+            n = len(request.output_token_ids)
+            if n >= max_tokens or len(request.prompt_token_ids) + n >= self.model.max_model_len:
+                request.finish(FinishReason.LENGTH)
+            elif n >= params.min_tokens:
+                if not params.ignore_eos and token == params.eos_token_id:
+                    request.finish(FinishReason.STOP)
+                elif token in params.stop_token_ids:
+                    request.finish(FinishReason.STOP, stop_reason=token)
+            if n > params.min_tokens and delta:
+                stop = detok.find_stop(len(delta))
+                if stop is not None:
+                    request.finish(FinishReason.STOP, stop_reason=stop)
+                    break
+            if request.finished:
+                self._finalize_text(request)
+                break
+        return accepted
+
+    def _finalize_text(self, request: Request) -> None:
+        """Emit text still held back for an incomplete character; it may complete a stop string."""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is None or isinstance(request.stop_reason, str):
+            return
+        delta = detok.flush()
+        stop = detok.find_stop(len(delta)) if delta else None
+        if stop is not None:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self.detokenizers.get(request.request_id)
+        text = detok.visible_text(request.finished) if detok is not None else ""
+        sent_chars, sent_tokens = self._emitted[request.request_id]
+        self._emitted[request.request_id] = (len(text), len(request.output_token_ids))
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            error=request.error,
+            new_text=text[sent_chars:],
+            new_token_ids=request.output_token_ids[sent_tokens:],
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+        )
+
+
+def coordinator_from_config(config: Any, model_path: str) -> Coordinator:
+    """Build from a ``RaysampleConfig`` (cluster.config): tokenizer and model facts, no weights."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.tokenizer or model_path, trust_remote_code=config.model.trust_remote_code
+    )
+    model = ModelInfo.load(model_path, config.model.max_model_len, tokenizer, config.model.trust_remote_code)
+    return Coordinator(
+        tokenizer,
+        model,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        num_workers=config.cluster.num_workers,
+        slots_per_worker=config.scheduler.slots_per_worker(),
+        seed=config.scheduler.seed,
+        custom_processors=config.custom_processors(),
+        consistency_check_every=config.scheduler.consistency_check_every,
+        default_params=SamplingParams.from_dict(config.defaults),
+    )

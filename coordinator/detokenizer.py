@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop strings.
+
+Text grows token by token without re-decoding the whole output: only the
+tokens since the last emitted boundary are decoded, with a few earlier tokens
+as context (so spacing comes out as in a full decode), and nothing is emitted
+while the tail is an incomplete UTF-8 sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completed (maybe empty)."""
+        self.tokens.append(token_id)
+        before = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
+            delta = after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end, emit whatever is pending, even an incomplete character."""
+        before = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset :])
+        delta = after[len(before) :] if len(after) > len(before) else ""
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta
+
+    def find_stop(self, new_chars: int) -> str | None:
+        """If a stop string ends within the last ``new_chars`` characters, cut the text there."""
+        if not self.stop or not new_chars:
+            return None
+        window_start = max(0, len(self.text) - new_chars - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            at = self.text.find(s, window_start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        at, s = best
+        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+        return s
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, hold back what could still become a stop string."""
+        if finished or not self.stop or self.include_stop:
+            return self.text
+        return self.text[: max(0, len(self.text) - (self.max_stop_len - 1))]

@@ -1,0 +1,107 @@
+"""A worker: mirror, processor replicas (the sampler) and the model for its own shard.
+
+Every worker applies every plan to its mirror and sampler, so processor state
+is identical everywhere; only the owner of a request keeps its KV cache, runs
+the model for it and samples it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from coordinator.plan import StepPlan, StepResult
+from workers.mirror import BatchMirror, MirrorRow
+from workers.model_runner import ModelRunner, RowWork
+from workers.sampler import Sampler
+
+
+class SlotTable:
+    """Which KV slot each owned request uses and how many of its tokens are cached."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() yields the lowest
+        self.slot: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+
+    def ensure(self, request_id: str) -> int:
+        if request_id not in self.slot:
+            if not self.free:
+                raise RuntimeError("no free KV slot: the scheduler admitted more requests than this worker holds")
+            self.slot[request_id] = self.free.pop()
+            self.cached[request_id] = 0
+        return self.slot[request_id]
+
+    def release(self, request_id: str) -> None:
+        slot = self.slot.pop(request_id, None)
+        if slot is not None:
+            self.cached.pop(request_id, None)
+            self.free.append(slot)
+            self.free.sort(reverse=True)
+
+
+def new_tokens(row: MirrorRow, cached: int) -> list[int]:
+    """Tokens of prompt + output not yet in the cache."""
+    prompt_len = len(row.prompt_token_ids)
+    if cached >= prompt_len:
+        return row.output_token_ids[cached - prompt_len :]
+    return row.prompt_token_ids[cached:] + row.output_token_ids
+
+
+class Worker:
+    def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler) -> None:
+        self.worker_id = worker_id
+        self.runner = runner
+        self.sampler = sampler
+        self.mirror = BatchMirror()
+        self.slots = SlotTable(runner.num_slots)
+
+    @classmethod
+    def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
+        """Build from a ``RaysampleConfig`` (cluster.config)."""
+        runner = ModelRunner(
+            model_path,
+            device,
+            config.model.dtype,
+            num_slots=config.scheduler.slots_per_worker(),
+            max_model_len=config.model.max_model_len,
+            trust_remote_code=config.model.trust_remote_code,
+        )
+        sampler = Sampler(config.engine_config(), device, config.custom_processors())
+        return cls(worker_id, runner, sampler)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        start_time = time.perf_counter()
+        self.mirror.append_tokens(plan.last_tokens)
+        batch_update, departed = self.mirror.apply(plan.update)
+        for request_id in departed:
+            self.slots.release(request_id)
+        self.sampler.update_state(batch_update)
+
+        lo, hi = plan.shards[self.worker_id]
+        work = []
+        for index in range(lo, hi):
+            row = self.mirror.row(index)
+            slot = self.slots.ensure(row.request_id)
+            cached = self.slots.cached[row.request_id]
+            tokens = new_tokens(row, cached)
+            if not tokens:
+                raise RuntimeError(f"row {index} ({row.request_id}) has no new token to feed")
+            work.append(RowWork(slot=slot, token_ids=tokens, start_pos=cached))
+        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), tokens=[])
+        if work:
+            logits = self.runner.forward(work)
+            for index, item in zip(range(lo, hi), work):
+                self.slots.cached[self.mirror.row(index).request_id] = item.start_pos + len(item.token_ids)
+            out = self.sampler(logits, slice(lo, hi))
+            result.tokens = [[t] for t in out.sampled_token_ids.tolist()]
+            if out.logprobs:
+                result.logprobs = [[out.logprobs[r]] if r in out.logprobs else None for r in range(lo, hi)]
+        if plan.audit:
+            result.row_digests = self.mirror.digests()
+            result.processor_digests = self.sampler.state_digests()
+        result.compute_s = time.perf_counter() - start_time
+        return result
