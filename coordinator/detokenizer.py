@@ -19,6 +19,9 @@ class IncrementalDetokenizer:
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # The Rust tokenizer directly, when transformers would add nothing on top of it.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -28,6 +31,8 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:

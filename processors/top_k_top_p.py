@@ -57,6 +57,14 @@ def top_p_threshold(logits: torch.Tensor, p: np.ndarray, first: int = FIRST_TOP_
     return thresholds
 
 
+def _nucleus_in_window(values: torch.Tensor, p: np.ndarray) -> torch.Tensor:
+    """(rows, 1) top-p threshold when ``values`` (descending) hold every kept token."""
+    probs = (values - torch.logsumexp(values, dim=-1, keepdim=True)).exp_()
+    mass_above = probs.cumsum(dim=-1) - probs
+    kept = (mass_above < torch.from_numpy(p.astype(np.float32)).to(values.device).unsqueeze(1)).sum(dim=-1, keepdim=True)
+    return values.gather(1, kept - 1)
+
+
 class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
     """Keeps each row's top-k tokens (ties kept), then its top-p nucleus of those."""
 
@@ -84,16 +92,29 @@ class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
 
     @staticmethod
     def _filter(logits: torch.Tensor, k: np.ndarray, p: np.ndarray) -> torch.Tensor:
-        if (k > 0).any():
-            logits.masked_fill_(logits < top_k_threshold(logits, k), float("-inf"))
-        nucleus = np.flatnonzero(p < 1.0)
-        if nucleus.size:
-
-            def cut(sub: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-                return sub.masked_fill_(sub < top_p_threshold(sub, p[idx]), float("-inf"))
-
-            logits = apply_on_rows(logits, nucleus, cut)
-        return logits
+        vocab = logits.shape[1]
+        device = logits.device
+        nucleus = p < 1.0
+        window = int(min(vocab, max(int(k.max()), FIRST_TOP_P_CANDIDATES if nucleus.any() else 1)))
+        values = logits.topk(window, dim=-1, sorted=True).values  # (rows, window), descending
+        has_k = torch.from_numpy(k > 0).to(device).unsqueeze(1)
+        kth = values.gather(1, torch.from_numpy(np.maximum(k, 1) - 1).to(device).unsqueeze(1))
+        threshold = kth.masked_fill(~has_k, float("-inf"))  # (rows, 1)
+        if nucleus.any():
+            # A top-k set that fits in the window (no tie spilling past it) has its
+            # whole mass there: no pass over the vocabulary is needed.
+            fits = has_k & ((values[:, -1:] < kth) | (window == vocab))
+            in_window = np.flatnonzero(nucleus & fits.squeeze(1).cpu().numpy())
+            outside = np.flatnonzero(nucleus & ~fits.squeeze(1).cpu().numpy())
+            if in_window.size:
+                idx = torch.from_numpy(in_window).to(device)
+                kept = values[idx].masked_fill(values[idx] < kth[idx], float("-inf"))
+                threshold[idx] = torch.maximum(threshold[idx], _nucleus_in_window(kept, p[in_window]))
+            if outside.size:
+                idx = torch.from_numpy(outside).to(device)
+                sub = logits[idx].masked_fill_(logits[idx] < threshold[idx], float("-inf"))
+                threshold[idx] = torch.maximum(threshold[idx], top_p_threshold(sub, p[outside]))
+        return logits.masked_fill_(logits < threshold, float("-inf"))
 
     def state_digest(self) -> bytes:
         n = self.rows.batch_size

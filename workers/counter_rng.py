@@ -111,7 +111,8 @@ def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     row_max = logits.amax(dim=-1, keepdim=True)
     candidates = logits >= row_max - GUMBEL_SPAN
-    sparse = candidates.sum(dim=-1) <= max(1, int(vocab * _SPARSE_FRACTION))
+    counts = candidates.view(torch.uint8).sum(dim=-1, dtype=torch.int32)
+    sparse = counts <= max(1, int(vocab * _SPARSE_FRACTION))
     out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     if bool(sparse.any()):
         idx = sparse.nonzero(as_tuple=True)[0]
@@ -128,11 +129,11 @@ def gumbel_argmax(logits: torch.Tensor, base: torch.Tensor, rows: torch.Tensor |
     ``rows`` (local indices) picks the rows to sample, ``base`` has one entry
     per picked row. Rows whose every logit is -inf return token 0.
     """
-    if rows is None:
-        rows = torch.arange(logits.shape[0], device=logits.device)
+    n = logits.shape[0] if rows is None else rows.numel()
     step = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
-    out = torch.empty(rows.numel(), dtype=torch.int64, device=logits.device)
-    for start in range(0, rows.numel(), step):
-        stop = min(rows.numel(), start + step)
-        out[start:stop] = _argmax_chunk(logits.index_select(0, rows[start:stop]), base[start:stop])
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        chunk = logits[start:stop] if rows is None else logits.index_select(0, rows[start:stop])
+        out[start:stop] = _argmax_chunk(chunk, base[start:stop])
     return out

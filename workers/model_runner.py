@@ -45,11 +45,17 @@ class SlotKVCache:
 
 @dataclass
 class _AttentionGroup:
-    token_index: torch.Tensor  # (rows, q) indices into the packed sequence (padded with 0)
-    valid: torch.Tensor  # (rows, q) bool
+    """Rows attended together. Single-token rows run either slot-major (every cache
+    slot is a batch entry and the cache is used in place, no gather) or on the
+    gathered slots of their rows; multi-token rows are padded to the longest."""
+
+    kind: str  # "slot_major" | "gather_single" | "multi"
+    tokens: torch.Tensor  # (n_valid,) packed-sequence indices, row-major
     slots: torch.Tensor  # (rows,)
     key_len: int
-    mask: torch.Tensor  # (rows, 1, q, key_len) bool, True = attend
+    mask: torch.Tensor  # (batch, 1, q, key_len): bool, True = attend (multi); additive float (single)
+    token_index: torch.Tensor | None = None  # multi: (rows, q) padded with 0
+    valid_flat: torch.Tensor | None = None  # multi: (n_valid,) positions in rows * q
 
 
 @dataclass
@@ -58,6 +64,19 @@ class _PackedStep:
     write_slot: torch.Tensor  # (N,)
     write_pos: torch.Tensor  # (N,)
     groups: list[_AttentionGroup]
+
+
+def _single_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """(batch, kv_heads, groups, head_dim) queries against (batch, kv_heads, key_len, head_dim).
+
+    Two batched matmuls with an additive mask: at one query per row this reads
+    K/V once and beats SDPA's CPU kernel, which is built for long queries.
+    """
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).float().mul_(scale).add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # (batch, kv_heads, groups, head_dim)
 
 
 def packed_attention(
@@ -79,17 +98,32 @@ def packed_attention(
     v_cache[packed_step.write_slot, :, packed_step.write_pos] = value[0].transpose(0, 1).to(v_cache.dtype)
 
     heads, n_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = k_cache.shape[1]
+    groups_per_kv = heads // kv_heads
     out = query.new_empty(n_tokens, heads, head_dim)
     q_all = query[0].transpose(0, 1)  # (N, heads, head_dim)
     for group in packed_step.groups:
-        q = q_all[group.token_index].transpose(1, 2)  # (rows, heads, q, head_dim)
-        k = k_cache[group.slots, :, : group.key_len]  # (rows, kv_heads, key_len, head_dim)
-        v = v_cache[group.slots, :, : group.key_len]
-        attn = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling, enable_gqa=True
-        )  # (rows, heads, q, head_dim)
-        attn = attn.transpose(1, 2)  # (rows, q, heads, head_dim)
-        out[group.token_index[group.valid]] = attn[group.valid]
+        rows = group.slots.numel()
+        if group.kind == "multi":
+            q = q_all[group.token_index].transpose(1, 2)  # (rows, heads, q, head_dim)
+            k = k_cache[group.slots, :, : group.key_len].to(q.dtype)  # (rows, kv_heads, key_len, head_dim)
+            v = v_cache[group.slots, :, : group.key_len].to(q.dtype)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True)
+            out[group.tokens] = attn.transpose(1, 2).reshape(-1, heads, head_dim)[group.valid_flat]
+            continue
+        # One query per row: grouped heads share their kv head, (rows, kv_heads, groups, head_dim).
+        q = q_all[group.tokens].view(rows, kv_heads, groups_per_kv, head_dim)
+        if group.kind == "slot_major":
+            q_slots = q.new_zeros(k_cache.shape[0], kv_heads, groups_per_kv, head_dim)
+            q_slots[group.slots] = q
+            k = k_cache[:, :, : group.key_len]  # a view: no copy of the cache
+            v = v_cache[:, :, : group.key_len]
+            attn = _single_query_attention(q_slots, k, v, group.mask, scaling)[group.slots]
+        else:
+            k = k_cache[group.slots, :, : group.key_len]
+            v = v_cache[group.slots, :, : group.key_len]
+            attn = _single_query_attention(q, k, v, group.mask, scaling)
+        out[group.tokens] = attn.reshape(rows, heads, head_dim).to(out.dtype)
     return out.unsqueeze(0), None  # (1, N, heads, head_dim)
 
 
@@ -154,29 +188,7 @@ class ModelRunner:
             keep.extend(range(len(ids) - row.num_logits, len(ids)))
         device = self.device
         pos_t = torch.tensor(positions, dtype=torch.long)
-        groups = []
-        for single in (True, False):
-            members = [s for s in spans if (s[2] == 1) == single]
-            if not members:
-                continue
-            q = max(n for _, _, n in members)
-            index = torch.zeros(len(members), q, dtype=torch.long)
-            valid = torch.zeros(len(members), q, dtype=torch.bool)
-            for r, (_, offset, n) in enumerate(members):
-                index[r, :n] = torch.arange(offset, offset + n)
-                valid[r, :n] = True
-            query_pos = pos_t[index].masked_fill(~valid, -1)  # padding queries attend nothing
-            key_len = int(query_pos.max()) + 1
-            mask = torch.arange(key_len).view(1, 1, key_len) <= query_pos.unsqueeze(-1)
-            groups.append(
-                _AttentionGroup(
-                    token_index=index.to(device),
-                    valid=valid.to(device),
-                    slots=torch.tensor([rows[i].slot for i, _, _ in members], dtype=torch.long, device=device),
-                    key_len=key_len,
-                    mask=mask.unsqueeze(1).to(device),
-                )
-            )
+        groups = [g for g in (self._single_group(rows, spans, pos_t), self._multi_group(rows, spans, pos_t)) if g]
         step = _PackedStep(
             cache=self.cache,
             write_slot=torch.tensor(slots, dtype=torch.long, device=device),
@@ -185,6 +197,54 @@ class ModelRunner:
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
+
+    def _single_group(self, rows: list[RowWork], spans: list, pos_t: torch.Tensor) -> _AttentionGroup | None:
+        members = [(i, offset) for i, offset, n in spans if n == 1]
+        if not members:
+            return None
+        tokens = torch.tensor([offset for _, offset in members], dtype=torch.long)
+        slots = torch.tensor([rows[i].slot for i, _ in members], dtype=torch.long)
+        query_pos = pos_t[tokens]
+        key_len = int(query_pos.max()) + 1
+        # Slot-major skips the K/V gather; worth it once most slots are busy.
+        slot_major = 2 * len(members) >= self.num_slots
+        if slot_major:
+            limit = torch.full((self.num_slots,), -1, dtype=torch.long)
+            limit[slots] = query_pos
+        else:
+            limit = query_pos
+        allowed = (torch.arange(key_len).view(1, key_len) <= limit.view(-1, 1)).view(-1, 1, 1, key_len)
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+        return _AttentionGroup(
+            kind="slot_major" if slot_major else "gather_single",
+            tokens=tokens.to(self.device),
+            slots=slots.to(self.device),
+            key_len=key_len,
+            mask=mask.to(self.device),
+        )
+
+    def _multi_group(self, rows: list[RowWork], spans: list, pos_t: torch.Tensor) -> _AttentionGroup | None:
+        members = [(i, offset, n) for i, offset, n in spans if n > 1]
+        if not members:
+            return None
+        q = max(n for _, _, n in members)
+        index = torch.zeros(len(members), q, dtype=torch.long)
+        valid = torch.zeros(len(members), q, dtype=torch.bool)
+        for r, (_, offset, n) in enumerate(members):
+            index[r, :n] = torch.arange(offset, offset + n)
+            valid[r, :n] = True
+        query_pos = pos_t[index].masked_fill(~valid, -1)  # padding queries attend nothing
+        key_len = int(query_pos.max()) + 1
+        mask = (torch.arange(key_len).view(1, 1, key_len) <= query_pos.unsqueeze(-1)).unsqueeze(1)
+        return _AttentionGroup(
+            kind="multi",
+            tokens=index[valid].to(self.device),
+            slots=torch.tensor([rows[i].slot for i, _, _ in members], dtype=torch.long, device=self.device),
+            key_len=key_len,
+            mask=mask.to(self.device),
+            token_index=index.to(self.device),
+            valid_flat=valid.flatten().nonzero(as_tuple=True)[0].to(self.device),
+        )
 
     @torch.inference_mode()
     def forward(self, rows: list[RowWork]) -> torch.Tensor:

@@ -248,4 +248,5 @@ class Sampler:
             torch.from_numpy(self.rows["key"][absolute]).to(device),
             torch.from_numpy(self.positions(absolute)).to(device),
         )
-        return gumbel_argmax(logits, base, torch.from_numpy(local).to(device))
+        every_row = local.size == logits.shape[0]  # local is sorted: then it is 0..n-1
+        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(device))

@@ -52,8 +52,8 @@ PRESETS: dict[str, TinySpec] = {
     # Scaled so the forward pass dominates a step on CPU (bench/e2e.py).
     "bench": TinySpec(
         vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=688,
+        hidden_size=512,
+        intermediate_size=1376,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,

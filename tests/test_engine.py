@@ -1,0 +1,218 @@
+"""The in-process engine end to end on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster.local_engine import LocalEngine
+from coordinator.request import FinishReason
+from processors import SamplingParams
+
+TINY = {"tiny": "default", "max_model_len": 192}
+
+
+def engine_with(**overrides) -> LocalEngine:
+    config = {"model": TINY, "scheduler": {"max_num_seqs": 6}, **overrides}
+    return LocalEngine(config)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LocalEngine:
+    return engine_with(processors=["processors.examples:DummyLogitsProcessor"])
+
+
+@pytest.fixture(scope="module")
+def reference_model(engine):
+    from workers.tiny import ensure_tiny_model
+
+    return AutoModelForCausalLM.from_pretrained(ensure_tiny_model("default"), dtype=torch.float32).eval()
+
+
+def reference_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox jumps over the lazy dog and keeps on running far away",
+    "café 你好 🙂",
+    "a",
+    "Think first, then answer. Question: what is the answer?",
+    "Numbers like 0 1 2 3",
+    "Unicode matters: Grüße",
+    "batch",
+    "Logits processors steer generation: they mask, bias or reshape",
+]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_greedy_matches_generate_with_staggered_arrivals(reference_model, num_workers):
+    """More requests than slots, different lengths and max_tokens, joining at different steps."""
+    engine = engine_with(cluster={"num_workers": num_workers}, scheduler={"max_num_seqs": 4})
+    tok = engine.tokenizer
+    prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    max_tokens = [5 + (7 * i) % 23 for i in range(len(PROMPTS))]
+    arrival_step = [0, 0, 1, 3, 3, 4, 9, 10, 15]
+    ids = {}
+    finals = {}
+    step = 0
+    while len(finals) < len(PROMPTS):
+        for i, at in enumerate(arrival_step):
+            if at == step:
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
+                ids[engine.add_request(prompt_ids[i], params)] = i
+        for out in engine.step():
+            if out.finished:
+                finals[ids[out.request_id]] = out
+        step += 1
+        assert step < 500
+    for i, ids_ in enumerate(prompt_ids):
+        assert finals[i].token_ids == reference_greedy(reference_model, ids_, max_tokens[i]), PROMPTS[i]
+        assert finals[i].finish_reason == FinishReason.LENGTH
+
+
+def test_seeded_random_identical_across_batch_compositions():
+    target = SamplingParams(seed=77, temperature=0.9, top_k=40, top_p=0.95, max_tokens=24, ignore_eos=True)
+    noise = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 30, 11, 17, 8)]
+    alone = engine_with().generate("The quick brown fox", target)[0].token_ids
+    crowd = engine_with(scheduler={"max_num_seqs": 4}).generate(
+        ["x y z", "Hello", "The quick brown fox", "a b", "café", "zz"], [noise[0], noise[1], target, *noise[2:]]
+    )[2].token_ids
+    two_workers = engine_with(cluster={"num_workers": 2}).generate(
+        ["Hello", "The quick brown fox", "a"], [noise[3], target, noise[4]]
+    )[1].token_ids
+    assert alone == crowd == two_workers
+    other_seed = engine_with().generate("The quick brown fox", SamplingParams(**{**target.to_dict(), "seed": 78}))
+    assert other_seed[0].token_ids != alone
+
+
+def _forced(token: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, logit_bias={token: 100.0}, **kwargs)
+
+
+def test_eos_stops_unless_ignore_eos_and_min_tokens_delays_it(engine):
+    eos = engine.tokenizer.eos_token_id
+    stop, ignored, delayed = engine.generate(
+        ["Hello"] * 3,
+        [_forced(eos, max_tokens=10), _forced(eos, max_tokens=6, ignore_eos=True), _forced(eos, max_tokens=10, min_tokens=4)],
+    )
+    assert stop.token_ids == [eos] and stop.finish_reason == FinishReason.STOP and stop.stop_reason is None
+    assert stop.text == ""
+    assert ignored.token_ids == [eos] * 6 and ignored.finish_reason == FinishReason.LENGTH
+    assert len(delayed.token_ids) == 5 and delayed.token_ids[-1] == eos and eos not in delayed.token_ids[:4]
+    assert delayed.finish_reason == FinishReason.STOP
+
+
+def test_stop_token_ids_and_logit_bias_visible(engine):
+    out = engine.generate("Hello", _forced(300, max_tokens=10, stop_token_ids=[300], min_tokens=2))[0]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == 300
+    assert len(out.token_ids) == 3 and out.token_ids[-1] == 300 and 300 not in out.token_ids[:2]
+    biased = engine.generate("Hello", _forced(300, max_tokens=4))[0]
+    assert biased.token_ids == [300] * 4
+
+
+def test_stop_strings_across_tokens_excluded_or_included(engine):
+    piece = engine.tokenizer.decode([300])
+    assert len(piece) >= 2
+    stop_str = piece[1:] + piece[0]  # only appears across a token boundary
+    plain, included = engine.generate(
+        ["Hello", "Hello"],
+        [_forced(300, max_tokens=10, stop=[stop_str]), _forced(300, max_tokens=10, stop=[stop_str], include_stop_str_in_output=True)],
+    )
+    assert plain.finish_reason == FinishReason.STOP and plain.stop_reason == stop_str
+    assert plain.text == piece[0] and len(plain.token_ids) == 2
+    assert included.text == piece[0] + stop_str
+
+
+def test_text_is_right_across_multibyte_tokens(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("你好世界 🙂 Grüße", add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # some tokens are partial characters
+    out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=len(ids), ignore_eos=True,
+                                                  logit_bias=None))[0]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    # Force the multi-byte sequence through the detokenizer token by token.
+    from coordinator.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tok, tok.encode("x", add_special_tokens=False))
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) + detok.flush() == "你好世界 🙂 Grüße"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_streaming_deltas_add_up(engine):
+    outs = list(engine.stream(["Hello there", "café"], SamplingParams(seed=5, max_tokens=12, ignore_eos=True)))
+    for rid in {o.request_id for o in outs}:
+        mine = [o for o in outs if o.request_id == rid]
+        assert sum(len(o.new_token_ids) for o in mine) == 12
+        assert "".join(o.new_text for o in mine) == mine[-1].text
+        assert mine[-1].finished and not any(o.finished for o in mine[:-1])
+
+
+def test_abort_mid_generation(engine):
+    keep = engine.add_request("Hello", SamplingParams(seed=1, max_tokens=20, ignore_eos=True))
+    victim = engine.add_request("World", SamplingParams(seed=2, max_tokens=100, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.abort(victim)
+    assert not engine.abort(victim)
+    finals = {o.request_id: o for o in engine.run([keep, victim]) if o.finished}
+    assert finals[victim].finish_reason == FinishReason.ABORT and 0 < len(finals[victim].token_ids) < 100
+    assert finals[keep].finish_reason == FinishReason.LENGTH and len(finals[keep].token_ids) == 20
+
+
+def test_bad_requests_fail_alone(engine):
+    good = SamplingParams(seed=3, max_tokens=5, ignore_eos=True)
+    outs = engine.generate(
+        ["x " * 300, "Hello", "Hello", "", "Hello", [1, 2, 10**6]],
+        [
+            good,
+            SamplingParams(logit_bias={10**6: 1.0}),
+            good,
+            good,
+            SamplingParams(extra_args={"target_token": "nope"}),
+            good,
+        ],
+    )
+    errors = [o.error for o in outs]
+    assert "max_model_len is 192" in errors[0]
+    assert "logit_bias has token id(s) [1000000] outside the vocabulary" in errors[1]
+    assert errors[2] is None and len(outs[2].token_ids) == 5
+    assert errors[3] == "prompt is empty"
+    assert "target_token must be a non-negative integer token id" in errors[4]
+    assert "prompt has token id(s) [1000000]" in errors[5]
+    assert all(o.finish_reason == FinishReason.ERROR for i, o in enumerate(outs) if i != 2)
+
+
+def test_custom_processor_only_on_requests_that_enable_it(engine):
+    outs = engine.generate(
+        ["Hello", "Hello", "The quick"],
+        [
+            SamplingParams(seed=1, max_tokens=8, ignore_eos=True, extra_args={"target_token": 42}),
+            SamplingParams(seed=1, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"target_token": 7}),
+        ],
+    )
+    assert outs[0].token_ids == [42] * 8
+    assert outs[1].token_ids != [42] * 8
+    assert outs[2].token_ids == [7] * 8
+
+
+def test_logprobs_per_token(engine):
+    out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.sampled_token_id == token and lp.sampled_rank == 1 and len(lp.top_token_ids) == 3
+        assert lp.top_token_ids[0] == token
+
+
+def test_max_model_len_caps_generation():
+    engine = engine_with(model={"tiny": "default", "max_model_len": 24})
+    prompt = list(range(10, 30))
+    out = engine.generate(prompt, SamplingParams(seed=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == FinishReason.LENGTH
