@@ -8,7 +8,8 @@ the same prompts in left-padded batches of 64 with the same sampling
 settings (each batch runs to its longest request; only requested tokens
 count). Prints generated tokens/s for both and the ratio.
 
-    python bench/e2e.py [--requests 256] [--sampling random|greedy]
+    python bench/e2e.py [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
+    python bench/e2e.py --spec 3 --sampling greedy   # with vs without n-gram speculative decoding
 """
 
 from __future__ import annotations
@@ -39,10 +40,21 @@ def sampling_kwargs(kind: str) -> dict:
     return {"temperature": 0.0} if kind == "greedy" else {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 
 
-def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str) -> tuple[int, float]:
+def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[int], int]]:
+    """Prompts made of a short random phrase repeated: what prompt lookup is for."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        phrase = [rng.randrange(10, vocab) for _ in range(rng.randint(3, 8))]
+        jobs.append(((phrase * 12)[: rng.randint(24, 64)], 128))
+    return jobs
+
+
+def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
+                  batch: int = BATCH) -> tuple[int, float]:
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256},
-        "scheduler": {"max_num_seqs": BATCH},
+        "scheduler": {"max_num_seqs": batch},
     }
     if spec:
         config["speculative"] = {"num_speculative_tokens": spec}
@@ -52,6 +64,8 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str) -> tu
     start = time.perf_counter()
     outputs = engine.generate([p for p, _ in jobs], params)
     elapsed = time.perf_counter() - start
+    if stats is not None:
+        stats["acceptance"] = engine.coordinator.metrics.spec_acceptance
     return sum(len(o.token_ids) for o in outputs), elapsed
 
 
@@ -91,6 +105,19 @@ def main() -> None:
     jobs = workload(args.requests, 8192)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} requests, "
           f"{sum(m for _, m in jobs)} tokens requested; sampling={args.sampling}; dtype={args.dtype}")
+    if args.spec:
+        spec_jobs = repetitive_workload(64, 8192)
+        print(f"speculative decoding: {len(spec_jobs)} repetitive prompts x 128 tokens, sampling={args.sampling}")
+        for batch in (4, BATCH):
+            base_tokens, base_s = run_raysample(model_dir, spec_jobs, args.sampling, 0, args.dtype, batch=batch)
+            stats: dict = {}
+            spec_tokens, spec_s = run_raysample(
+                model_dir, spec_jobs, args.sampling, args.spec, args.dtype, stats, batch=batch
+            )
+            base, spec = base_tokens / base_s, spec_tokens / spec_s
+            print(f"max_num_seqs={batch}: without spec {base:7.0f} tokens/s, with n-gram k={args.spec} "
+                  f"{spec:7.0f} tokens/s (acceptance {stats['acceptance']:.0%}); ratio spec / no spec: {spec / base:.2f}x")
+        return
     ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype)
     ref_tokens, ref_s = run_transformers(model_dir, jobs, args.sampling, args.dtype)
     ours, ref = ours_tokens / ours_s, ref_tokens / ref_s

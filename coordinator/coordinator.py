@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from coordinator.plan import AddedRow, PlanUpdate, StepPlan, StepResult
 from coordinator.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -22,6 +23,19 @@ from coordinator.scheduler import Scheduler, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
 from workers.sampler import Sampler, TokenLogprobs
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    generated_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,12 @@ class ModelInfo:
 class Coordinator:
     def __init__(self, tokenizer: Any, model: ModelInfo, max_num_seqs: int, num_workers: int, slots_per_worker: int,
                  seed: int = 0, custom_processors: Sequence[Any] = (), consistency_check_every: int = 0,
-                 default_params: SamplingParams | None = None) -> None:
+                 default_params: SamplingParams | None = None, drafter: NgramDrafter | None = None,
+                 reasoning_enabled: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.reasoning_enabled = reasoning_enabled
+        self.metrics = EngineMetrics()
         self.model = model
         self.seed = seed
         self.custom_processors = tuple(custom_processors)
@@ -126,6 +144,8 @@ class Coordinator:
         if len(prompt_ids) >= limit:
             return (f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
                     "which leaves no room to generate")
+        if params.thinking_token_budget is not None and not self.reasoning_enabled:
+            return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
         try:
             params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
@@ -195,9 +215,22 @@ class Coordinator:
             shards=shards,
             all_greedy=all(e.params.temperature < SAMPLING_EPS for e in self.batch.entries()),
             audit=bool(every) and self._step % every == 0,
+            drafts=self._drafts() if self.drafter is not None else None,
         )
         self._last_tokens = []
         return plan
+
+    def _drafts(self) -> list[list[int]]:
+        """Each row's n-gram drafts, limited so accepting all of them plus a bonus stays in bounds."""
+        drafts = []
+        for entry in self.batch.entries():
+            request = self.requests[entry.request_id]
+            params, done = request.params, len(request.output_token_ids)
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
+            room = min(max_tokens - done, self.model.max_model_len - len(request.prompt_token_ids) - done) - 1
+            proposal = self.drafter.propose(request.prompt_token_ids + request.output_token_ids, room) if room > 0 else []
+            drafts.append(proposal)
+        return drafts
 
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
@@ -217,7 +250,11 @@ class Coordinator:
             if row not in by_row:
                 raise RuntimeError(f"step {plan.step}: no worker returned row {row} ({entry.request_id})")
             tokens, lps = by_row[row]
+            if plan.drafts is not None and plan.drafts[row]:
+                self.metrics.spec_proposed += len(plan.drafts[row])
+                self.metrics.spec_accepted += len(tokens) - 1
             accepted = self._accept(request, tokens, lps)
+            self.metrics.generated_tokens += len(accepted)
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
             last_tokens.append(accepted)
@@ -225,6 +262,7 @@ class Coordinator:
             if request.finished:
                 self._to_remove.append(request.request_id)
         self._last_tokens = last_tokens
+        self.metrics.steps += 1
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -316,4 +354,12 @@ def coordinator_from_config(config: Any, model_path: str) -> Coordinator:
         custom_processors=config.custom_processors(),
         consistency_check_every=config.scheduler.consistency_check_every,
         default_params=SamplingParams.from_dict(config.defaults),
+        drafter=None
+        if config.speculative is None
+        else NgramDrafter(
+            config.speculative.num_speculative_tokens,
+            config.speculative.prompt_lookup_min,
+            config.speculative.prompt_lookup_max,
+        ),
+        reasoning_enabled=config.reasoning is not None,
     )

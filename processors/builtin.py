@@ -193,14 +193,30 @@ class MinTokensLogitsProcessor(LogitsProcessor):
                 toks.extend(stop_ids)
             self._set_tensors(reqs, toks)
 
+    def _live_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows still short of min_tokens *now*: output lists may hold draft tokens."""
+        if all(len(out) < n for n, out, _ in self.min_toks.values()):
+            return self.req_index, self.tok_index
+        reqs: list[int] = []
+        toks: list[int] = []
+        for req, (n, out, stop_ids) in self.min_toks.items():
+            if len(out) < n:
+                reqs.extend([req] * len(stop_ids))
+                toks.extend(stop_ids)
+        return (
+            _to_device(torch.tensor(reqs, dtype=torch.long), self.device),
+            _to_device(torch.tensor(toks, dtype=torch.long), self.device),
+        )
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.min_toks:
-            logits.index_put_((self.req_index, self.tok_index), self.neg_inf_tensor)
+            logits.index_put_(self._live_index(), self.neg_inf_tensor)
         return logits
 
     def apply_rows(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         if self.min_toks:
-            req, tok = _shard_select(self.req_index, rows, self.tok_index)
+            req_index, tok_index = self._live_index()
+            req, tok = _shard_select(req_index, rows, tok_index)
             if req.numel():
                 logits.index_put_((req, tok), self.neg_inf_tensor)
         return logits

@@ -52,9 +52,14 @@ def mix64_(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _wrap64(value: int) -> int:
+    """A Python int reduced to int64 two's complement, as tensor arithmetic would wrap it."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 def stream_base(keys: torch.Tensor, positions: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """(rows,) int64 state for each (key, position) pair; ``salt`` picks an independent stream."""
-    h = mix64_(keys.to(torch.int64) + salt * _GOLDEN)
+    h = mix64_(keys.to(torch.int64) + _wrap64(salt * _GOLDEN))
     return mix64_(h + positions.to(torch.int64) * _POSITION_STRIDE)
 
 

@@ -36,6 +36,7 @@ from processors.penalties import PenaltiesLogitsProcessor
 from processors.row_state import RowColumns
 from processors.sampling_params import SAMPLING_EPS
 from processors.temperature import TemperatureLogitsProcessor
+from processors.thinking_budget import ThinkingBudgetStateHolder
 from processors.top_k_top_p import TopKTopPLogitsProcessor
 from workers.counter_rng import gumbel_argmax, stream_base
 
@@ -75,8 +76,10 @@ class Sampler:
         device: torch.device | str,
         custom_logitsprocs: Sequence[CustomProcessor] = (),
         is_pin_memory: bool = False,
+        thinking: ThinkingBudgetStateHolder | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.thinking = thinking
         args = (config, self.device, is_pin_memory)
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
@@ -103,6 +106,7 @@ class Sampler:
             self.bad_words,
             *self.logitsprocs.non_argmax_invariant,
             self.penalties,
+            *([self.thinking] if self.thinking is not None else []),
             self.temperature,
             *self.logitsprocs.argmax_invariant,
             self.top_k_top_p,
@@ -178,7 +182,8 @@ class Sampler:
                 f"Logits processor {processor_name(proc)} raised in apply: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
+    def logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
+        """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call."""
         logprobs = torch.log_softmax(raw.float(), dim=-1)  # (len(local), vocab)
         counts = self.rows["num_logprobs"][local + rows.start]
         n_max = int(counts.max())
@@ -197,41 +202,59 @@ class Sampler:
             )
         return out
 
-    def __call__(self, logits: torch.Tensor, rows: slice | None = None) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (persistent-batch rows ``rows``).
+    def process(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every stage; return (processed logits, greedy tokens).
 
-        ``logits`` may be modified in place.
+        Greedy tokens are the argmax after the argmax-changing stages and the
+        thinking-budget forcing; the processed logits also went through
+        temperature, argmax-invariant processors and top-k/top-p (unless the
+        whole batch is greedy). ``num_drafts``: rows whose output lists end
+        with that many draft tokens (speculative decoding).
         """
-        rows = slice(0, logits.shape[0]) if rows is None else rows
-        if rows.stop - rows.start != logits.shape[0] or rows.stop > self.batch_size:
-            raise ValueError(
-                f"logits hold {logits.shape[0]} rows but rows={rows} with batch size {self.batch_size}"
-            )
-        logprob_local = np.flatnonzero(self.rows["num_logprobs"][rows.start : rows.stop] >= 0)
-        raw = logits[torch.from_numpy(logprob_local).to(logits.device)] if logprob_local.size else None
-
         logits = logits.to(torch.float32)
         logits = self._run(self.allowed_token_ids, logits, rows)
         logits = self._run(self.bad_words, logits, rows)
         for proc in self.logitsprocs.non_argmax_invariant:
             logits = self._run(proc, logits, rows)
         logits = self._run(self.penalties, logits, rows)
-
-        greedy = self.rows["greedy"][rows.start : rows.stop]
-        sampled = logits.argmax(dim=-1)
+        if self.thinking is not None and self.thinking.has_tracked_requests():
+            logits = self.thinking.apply_rows(logits, rows, num_drafts)
+        greedy_tokens = logits.argmax(dim=-1)
         if not self.all_greedy():
             logits = self._run(self.temperature, logits, rows)
             for proc in self.logitsprocs.argmax_invariant:
                 logits = self._run(proc, logits, rows)
             logits = self._run(self.top_k_top_p, logits, rows)
-            random_local = np.flatnonzero(~greedy)
-            if random_local.size:
-                sampled[torch.from_numpy(random_local).to(sampled.device)] = self._sample_random(
-                    logits, random_local, rows
-                )
+        return logits, greedy_tokens
+
+    def check_rows(self, logits: torch.Tensor, rows: slice | None) -> slice:
+        rows = slice(0, logits.shape[0]) if rows is None else rows
+        if rows.stop - rows.start != logits.shape[0] or rows.stop > self.batch_size:
+            raise ValueError(
+                f"logits hold {logits.shape[0]} rows but rows={rows} with batch size {self.batch_size}"
+            )
+        return rows
+
+    def logprob_rows(self, rows: slice) -> np.ndarray:
+        """Local indices of the rows in ``rows`` that asked for logprobs."""
+        return np.flatnonzero(self.rows["num_logprobs"][rows.start : rows.stop] >= 0)
+
+    def __call__(self, logits: torch.Tensor, rows: slice | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (persistent-batch rows ``rows``).
+
+        ``logits`` may be modified in place.
+        """
+        rows = self.check_rows(logits, rows)
+        logprob_local = self.logprob_rows(rows)
+        raw = logits[torch.from_numpy(logprob_local).to(logits.device)] if logprob_local.size else None
+        logits, sampled = self.process(logits, rows)
+        random_local = np.flatnonzero(~self.rows["greedy"][rows.start : rows.stop])
+        if random_local.size:
+            sampled[torch.from_numpy(random_local).to(sampled.device)] = self.sample_random(logits, random_local, rows)
         out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64))
         if raw is not None:
-            out.logprobs = self._logprobs(raw, logprob_local, rows, out.sampled_token_ids)
+            out.logprobs = self.logprobs(raw, logprob_local, rows, out.sampled_token_ids)
         return out
 
     def positions(self, absolute_rows: np.ndarray) -> np.ndarray:
@@ -241,12 +264,20 @@ class Sampler:
             (len(outputs[r]) for r in absolute_rows), dtype=np.int64, count=len(absolute_rows)
         )
 
-    def _sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice) -> torch.Tensor:
-        absolute = local + rows.start
-        device = logits.device
-        base = stream_base(
-            torch.from_numpy(self.rows["key"][absolute]).to(device),
-            torch.from_numpy(self.positions(absolute)).to(device),
+    def random_base(self, absolute_rows: np.ndarray, salt: int = 0) -> torch.Tensor:
+        """Counter-RNG state of each batch row at the position it samples next."""
+        return stream_base(
+            torch.from_numpy(self.rows["key"][absolute_rows]).to(self.device),
+            torch.from_numpy(self.positions(absolute_rows)).to(self.device),
+            salt,
         )
+
+    def sample_rows(self, logits: torch.Tensor, absolute_rows: np.ndarray, salt: int = 0) -> torch.Tensor:
+        """One Gumbel-max sample per row of ``logits``, which belong to batch rows ``absolute_rows``."""
+        return gumbel_argmax(logits, self.random_base(absolute_rows, salt).to(logits.device))
+
+    def sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice, salt: int = 0) -> torch.Tensor:
+        """Samples for rows ``local`` of a shard's ``logits`` (placement-independent)."""
+        base = self.random_base(local + rows.start, salt).to(logits.device)
         every_row = local.size == logits.shape[0]  # local is sorted: then it is 0..n-1
-        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(device))
+        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(logits.device))

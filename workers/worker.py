@@ -15,6 +15,7 @@ import torch
 from coordinator.plan import StepPlan, StepResult
 from workers.mirror import BatchMirror, MirrorRow
 from workers.model_runner import ModelRunner, RowWork
+from workers.rejection import verify_drafts
 from workers.sampler import Sampler
 
 
@@ -69,7 +70,17 @@ class Worker:
             max_model_len=config.model.max_model_len,
             trust_remote_code=config.model.trust_remote_code,
         )
-        sampler = Sampler(config.engine_config(), device, config.custom_processors())
+        thinking = None
+        if config.reasoning is not None:
+            from transformers import AutoTokenizer
+
+            from processors.thinking_budget import maybe_thinking_budget_holder
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                config.model.tokenizer or model_path, trust_remote_code=config.model.trust_remote_code
+            )
+            thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
+        sampler = Sampler(config.engine_config(), device, config.custom_processors(), thinking=thinking)
         return cls(worker_id, runner, sampler)
 
     @torch.inference_mode()
@@ -90,16 +101,25 @@ class Worker:
             tokens = new_tokens(row, cached)
             if not tokens:
                 raise RuntimeError(f"row {index} ({row.request_id}) has no new token to feed")
-            work.append(RowWork(slot=slot, token_ids=tokens, start_pos=cached))
+            drafts = plan.drafts[index] if plan.drafts is not None else []
+            work.append(RowWork(slot=slot, token_ids=tokens + drafts, start_pos=cached, num_logits=len(drafts) + 1))
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), tokens=[])
         if work:
             logits = self.runner.forward(work)
-            for index, item in zip(range(lo, hi), work):
-                self.slots.cached[self.mirror.row(index).request_id] = item.start_pos + len(item.token_ids)
-            out = self.sampler(logits, slice(lo, hi))
-            result.tokens = [[t] for t in out.sampled_token_ids.tolist()]
-            if out.logprobs:
-                result.logprobs = [[out.logprobs[r]] if r in out.logprobs else None for r in range(lo, hi)]
+            if plan.drafts is None:
+                out = self.sampler(logits, slice(lo, hi))
+                result.tokens = [[t] for t in out.sampled_token_ids.tolist()]
+                if out.logprobs:
+                    result.logprobs = [[out.logprobs[r]] if r in out.logprobs else None for r in range(lo, hi)]
+            else:
+                verified = verify_drafts(self.sampler, logits, slice(lo, hi), plan.drafts)
+                result.tokens = verified.tokens
+                if any(lp is not None for lp in verified.logprobs):
+                    result.logprobs = verified.logprobs
+            for i, (index, item) in enumerate(zip(range(lo, hi), work)):
+                # Cached now: the fed tokens minus the drafts that were rejected.
+                rejected = (item.num_logits - 1) - (len(result.tokens[i]) - 1)
+                self.slots.cached[self.mirror.row(index).request_id] = item.start_pos + len(item.token_ids) - rejected
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
