@@ -181,6 +181,45 @@ class Coordinator:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def requeue_running(self, alive_workers: Sequence[int]) -> int:
+        """After a worker failure: put every running request back in the queue, in arrival order.
+
+        The failed step's results are discarded; each request keeps the tokens it
+        had accepted before it, and the next plan re-adds it (prompt + those tokens
+        are prefilled again) on a live worker. Returns how many were requeued.
+        """
+        running = [self.requests[e.request_id] for e in self.batch.entries()]
+        self.batch = PersistentBatch(self.batch.max_num_reqs)
+        self._to_remove = []
+        self._last_tokens = []
+        requeue = sorted((r for r in running if not r.finished), key=lambda r: r.arrival_time)
+        for request in running:
+            self.scheduler.release(request)
+        for request in reversed(requeue):
+            request.status = RequestStatus.WAITING
+            self.scheduler.waiting.appendleft(request)
+        self.scheduler.set_workers(alive_workers)
+        return len(requeue)
+
+    def fail_requests(self, request_ids: Sequence[str], message: str) -> None:
+        for request_id in request_ids:
+            request = self.requests[request_id]
+            if not request.finished:
+                request.finish(FinishReason.ERROR, error=message)
+                self._finalize_text(request)
+                self._pending_outputs[request_id] = request
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every unfinished request with an error (no worker left, replicas diverged)."""
+        for request in self.requests.values():
+            if not request.finished:
+                request.finish(FinishReason.ERROR, error=message)
+                self._pending_outputs[request.request_id] = request
+        self.scheduler.waiting.clear()
+        self.batch = PersistentBatch(self.batch.max_num_reqs)
+        self._to_remove, self._last_tokens = [], []
+        return self.take_outputs()
+
     # ----- one step -----
 
     def next_plan(self) -> StepPlan | None:

@@ -8,6 +8,7 @@ the model for it and samples it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,12 +53,22 @@ def new_tokens(row: MirrorRow, cached: int) -> list[int]:
 
 
 class Worker:
-    def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler,
+                 make_sampler: Callable[[], Sampler] | None = None) -> None:
         self.worker_id = worker_id
         self.runner = runner
         self.sampler = sampler
+        self.make_sampler = make_sampler
         self.mirror = BatchMirror()
         self.slots = SlotTable(runner.num_slots)
+
+    def reset(self) -> None:
+        """Forget the batch (after another worker failed, everything is re-added)."""
+        if self.make_sampler is None:
+            raise RuntimeError("this worker cannot rebuild its sampler")
+        self.sampler = self.make_sampler()
+        self.mirror = BatchMirror()
+        self.slots = SlotTable(self.runner.num_slots)
 
     @classmethod
     def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
@@ -70,18 +81,21 @@ class Worker:
             max_model_len=config.model.max_model_len,
             trust_remote_code=config.model.trust_remote_code,
         )
-        thinking = None
+        tokenizer = None
         if config.reasoning is not None:
             from transformers import AutoTokenizer
-
-            from processors.thinking_budget import maybe_thinking_budget_holder
 
             tokenizer = AutoTokenizer.from_pretrained(
                 config.model.tokenizer or model_path, trust_remote_code=config.model.trust_remote_code
             )
+
+        def make_sampler() -> Sampler:
+            from processors.thinking_budget import maybe_thinking_budget_holder
+
             thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
-        sampler = Sampler(config.engine_config(), device, config.custom_processors(), thinking=thinking)
-        return cls(worker_id, runner, sampler)
+            return Sampler(config.engine_config(), device, config.custom_processors(), thinking=thinking)
+
+        return cls(worker_id, runner, make_sampler(), make_sampler)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:

@@ -1,0 +1,71 @@
+"""Thin Ray actors: each only hosts a plain object and forwards to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from coordinator.plan import StepPlan, StepResult
+
+
+@ray.remote
+class WorkerActor:
+    """Hosts a ``workers.worker.Worker`` on the device Ray assigned to this actor."""
+
+    def __init__(self, worker_id: int, config: dict[str, Any], model_path: str) -> None:
+        import torch
+
+        from cluster.config import load_config
+        from workers.worker import Worker
+
+        gpu_ids = ray.get_gpu_ids()
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs: they are numbered from 0 here.
+        device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+        self.worker = Worker.from_config(worker_id, load_config(config), model_path, device)
+        self.device = str(device)
+
+    def ready(self) -> str:
+        return self.device
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.worker.step(plan)
+
+    def reset(self) -> None:
+        self.worker.reset()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@ray.remote(max_concurrency=64)
+class CoordinatorActor:
+    """Hosts the ``cluster.engine_core.EngineCore`` step loop; many callers at once."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from cluster.engine_core import EngineCore
+
+        self.core = EngineCore(config)
+
+    def ready(self) -> bool:
+        return self.core.ready()
+
+    def add_requests(self, items: list[tuple[Any, Any, str | None]]) -> list[str]:
+        return self.core.add_requests(items)
+
+    def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    def poll(self, request_ids: list[str], timeout_s: float) -> list[Any]:
+        return self.core.poll(request_ids, timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def worker_handles(self) -> list[Any]:
+        return self.core.worker_handles()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

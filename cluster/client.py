@@ -1,0 +1,146 @@
+"""The Python client handle: start an engine on Ray, or attach to a running one by name."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.config import RaysampleConfig, load_config
+from cluster.ray_cluster import ensure_ray
+from coordinator.request import RequestOutput
+from processors import SamplingParams
+
+Prompt = str | list[int]
+POLL_S = 1.0
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed a call; the message is the engine's own."""
+
+
+def _call(ref: Any, timeout_s: float | None) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        raise EngineError(str(getattr(exc, "cause", None) or exc)) from None
+    except ray.exceptions.RayActorError as exc:
+        raise EngineError(f"the raysample coordinator is gone: {exc}") from None
+    except ray.exceptions.GetTimeoutError:
+        raise EngineError(f"the raysample coordinator did not answer within {timeout_s}s") from None
+
+
+def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+class Engine:
+    """Handle on a running raysample engine (a named coordinator actor); any number of callers."""
+
+    def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False) -> None:
+        self._actor = actor
+        self.timeout_s = timeout_s
+        self._owner = owner
+
+    @classmethod
+    def from_config(cls, source: RaysampleConfig | dict[str, Any] | str | Path) -> Engine:
+        """Start Ray (or join it, per ``cluster.address``), the workers and the named coordinator."""
+        from cluster.actors import CoordinatorActor
+
+        config = load_config(source)
+        ensure_ray(config)
+        # The coordinator lives on this driver's node: losing another node never takes it down.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = CoordinatorActor.options(
+            name=config.cluster.coordinator_name, namespace=config.cluster.namespace, num_cpus=0,
+            scheduling_strategy=here,
+        ).remote(config.model_dump(by_alias=True))
+        # Model loading on every worker happens inside the constructor.
+        _call(actor.ready.remote(), config.cluster.call_timeout_s * 2)
+        return cls(actor, config.cluster.call_timeout_s, owner=True)
+
+    @classmethod
+    def connect(cls, name: str = "raysample-coordinator", namespace: str = "raysample",
+                address: str = "auto", timeout_s: float = 120.0) -> Engine:
+        """Attach to an engine another driver started."""
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace, ignore_reinit_error=True)
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise EngineError(f"no raysample engine named {name!r} in namespace {namespace!r}") from None
+        return cls(actor, timeout_s)
+
+    # ----- requests -----
+
+    def submit_many(self, prompts: Sequence[Prompt],
+                    params: SamplingParams | Sequence[SamplingParams] | None = None,
+                    request_ids: Sequence[str | None] | None = None) -> list[str]:
+        items = list(zip(prompts, _params_list(params, len(prompts)), request_ids or [None] * len(prompts)))
+        return _call(self._actor.add_requests.remote(items), self.timeout_s)
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        return self.submit_many([prompt], params, [request_id])[0]
+
+    def abort(self, request_id: str) -> bool:
+        return _call(self._actor.abort.remote(request_id), self.timeout_s)
+
+    def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S) -> list[RequestOutput]:
+        return _call(self._actor.poll.remote(list(request_ids), timeout_s), timeout_s + self.timeout_s)
+
+    def results(self, request_ids: Sequence[str]) -> dict[str, RequestOutput]:
+        """Block until these requests finish; their final outputs by id."""
+        pending, final = set(request_ids), {}
+        while pending:
+            for out in self.poll(sorted(pending)):
+                if out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return final
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (blocking); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = self.submit_many(list(prompts), params)
+        final = self.results(ids)
+        return [final[rid] for rid in ids]
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """``async for out in engine.stream(prompt, params)``: outputs as the request gains text."""
+        loop = asyncio.get_running_loop()
+        request_id = await loop.run_in_executor(None, self.submit, prompt, params)
+        while True:
+            try:
+                outs = await self._actor.poll.remote([request_id], POLL_S)
+            except ray.exceptions.RayTaskError as exc:
+                raise EngineError(str(getattr(exc, "cause", None) or exc)) from None
+            for out in outs:
+                yield out
+                if out.finished:
+                    return
+
+    def stats(self) -> dict[str, Any]:
+        return _call(self._actor.stats.remote(), self.timeout_s)
+
+    def worker_handles(self) -> list[Any]:
+        return _call(self._actor.worker_handles.remote(), self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop the loop, the workers and the coordinator (only the driver that started it should)."""
+        try:
+            _call(self._actor.shutdown.remote(), self.timeout_s)
+        finally:
+            ray.kill(self._actor)
+            time.sleep(0.1)

@@ -1,0 +1,237 @@
+"""The distributed step loop: one coordinator, worker actors, audit and fault tolerance.
+
+Runs inside ``CoordinatorActor`` (a plain class so the loop can be read in
+one place). Every step sends one plan (put in the object store once) to every
+live worker and waits for all of them with a timeout. A worker that died or
+hung is dropped, the survivors are reset, and every running request is
+re-admitted with the tokens it had: prefill of prompt + output, then it goes
+on; placement-independent sampling makes the continuation exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.audit import ConsistencyError, check_consistency
+from cluster.config import load_config
+from cluster.ray_cluster import create_worker_placement
+from coordinator.coordinator import coordinator_from_config
+from coordinator.plan import StepPlan, StepResult
+from coordinator.request import RequestOutput
+from processors import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+
+
+class EngineCore:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = load_config(config)
+        self.timeout_s = self.config.cluster.call_timeout_s
+        model_path = self.config.model.resolve_path()
+        self.coordinator = coordinator_from_config(self.config, model_path)
+        self.placement = create_worker_placement(self.config, self.timeout_s)
+        self.workers = self._start_workers()
+        self.lock = threading.Condition()
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.fatal: str | None = None
+        self.step_overhead_ms: deque[float] = deque(maxlen=1000)
+        self.recoveries = 0
+        self._stop = False
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="raysample-step-loop", daemon=True)
+        self._thread.start()
+
+    def _start_workers(self) -> dict[int, Any]:
+        from cluster.actors import WorkerActor
+
+        cluster = self.config.cluster
+        config = self.config.model_dump(by_alias=True)
+        workers = {}
+        for i in range(cluster.num_workers):
+            workers[i] = WorkerActor.options(
+                num_cpus=cluster.cpus_per_worker,
+                num_gpus=cluster.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
+            ).remote(i, config, self.config.model.resolve_path())
+        devices = ray.get([w.ready.remote() for w in workers.values()], timeout=self.timeout_s)
+        logger.info("raysample workers ready on %s", devices)
+        return workers
+
+    # ----- requests (called from actor threads) -----
+
+    def ready(self) -> bool:
+        return True
+
+    def add_requests(self, items: Sequence[tuple[Any, Any, str | None]]) -> list[str]:
+        with self.lock:
+            if self.fatal is not None:
+                raise RuntimeError(self.fatal)
+            ids = []
+            for prompt, params, request_id in items:
+                if isinstance(params, dict):
+                    params = SamplingParams.from_dict(params)
+                ids.append(self.coordinator.add_request(prompt, params, request_id))
+            self._publish(self.coordinator.take_outputs())
+            self.lock.notify_all()
+            return ids
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            aborted = self.coordinator.abort(request_id)
+            self._publish(self.coordinator.take_outputs())
+            return aborted
+
+    def poll(self, request_ids: Sequence[str], timeout_s: float) -> list[RequestOutput]:
+        """Outputs of these requests since the last poll; waits up to ``timeout_s`` for one."""
+        wanted = list(request_ids)
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                ready = [out for rid in wanted for out in self.outputs.pop(rid, [])]
+                if ready:
+                    return ready
+                unknown = [rid for rid in wanted if rid not in self.coordinator.requests]
+                if unknown:
+                    raise KeyError(f"unknown request id(s): {unknown}")
+                if self.fatal is not None and all(self.coordinator.requests[r].finished for r in wanted):
+                    raise RuntimeError(self.fatal)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self.lock.wait(remaining)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            m = self.coordinator.metrics
+            elapsed = max(time.monotonic() - self._started, 1e-9)
+            overhead = sorted(self.step_overhead_ms)
+            return {
+                "running": self.coordinator.num_running(),
+                "waiting": self.coordinator.num_waiting(),
+                "workers_alive": len(self.workers),
+                "steps": m.steps,
+                "generated_tokens": m.generated_tokens,
+                "tokens_per_s": m.generated_tokens / elapsed,
+                "spec_proposed": m.spec_proposed,
+                "spec_accepted": m.spec_accepted,
+                "spec_acceptance": m.spec_acceptance,
+                "step_overhead_ms_median": overhead[len(overhead) // 2] if overhead else None,
+                "recoveries": self.recoveries,
+                "error": self.fatal,
+            }
+
+    def worker_handles(self) -> list[Any]:
+        return list(self.workers.values())
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self._stop = True
+            self.lock.notify_all()
+        self._thread.join(timeout=self.timeout_s)
+        for worker in self.workers.values():
+            ray.kill(worker)
+        ray.util.remove_placement_group(self.placement)
+
+    # ----- the loop -----
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+        if outputs:
+            self.lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                if self._stop:
+                    return
+                started = time.perf_counter()
+                plan = self.coordinator.next_plan() if self.fatal is None else None
+                if plan is None:
+                    self._publish(self.coordinator.take_outputs())
+                    self.lock.wait(0.05)
+                    continue
+            results = self._run_step(plan)
+            with self.lock:
+                if results is None:
+                    continue
+                try:
+                    if plan.audit:
+                        check_consistency(plan.step, results)
+                except ConsistencyError as exc:
+                    self._fail(f"replicas diverged, engine stopped: {exc}")
+                    continue
+                self._publish(self.coordinator.process(plan, results))
+                slowest = max((r.compute_s for r in results), default=0.0)
+                self.step_overhead_ms.append((time.perf_counter() - started - slowest) * 1000)
+
+    def _run_step(self, plan: StepPlan) -> list[StepResult] | None:
+        plan_ref = ray.put(plan)
+        pending = {i: w.step.remote(plan_ref) for i, w in self.workers.items()}
+        deadline = time.monotonic() + self.timeout_s
+        results, gone, raised = [], [], []
+        for i, ref in pending.items():
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except _WORKER_GONE as exc:
+                logger.warning("worker %d is gone (%s)", i, type(exc).__name__)
+                gone.append(i)
+            except ray.exceptions.RayTaskError as exc:
+                raised.append(f"worker {i}: {getattr(exc, 'cause', exc)}")
+        if gone:
+            self._recover(gone)
+            return None
+        if raised:
+            self._fail_running("; ".join(raised))
+            return None
+        return results
+
+    def _recover(self, gone: list[int]) -> None:
+        """Drop dead workers, reset the others, re-admit every running request."""
+        for i in gone:
+            ray.kill(self.workers.pop(i), no_restart=True)
+        survivors = dict(self.workers)
+        try:
+            ray.get([w.reset.remote() for w in survivors.values()], timeout=self.timeout_s)
+        except _WORKER_GONE:
+            # Someone else died meanwhile: find out who and start over.
+            alive = {}
+            for i, w in survivors.items():
+                try:
+                    ray.get(w.reset.remote(), timeout=self.timeout_s)
+                    alive[i] = w
+                except _WORKER_GONE:
+                    ray.kill(w, no_restart=True)
+            self.workers = alive
+        with self.lock:
+            self.recoveries += 1
+            if not self.workers:
+                self._fail("all raysample workers are gone; pending requests cannot be served")
+                return
+            requeued = self.coordinator.requeue_running(list(self.workers))
+            logger.warning("re-admitted %d running requests on workers %s", requeued, sorted(self.workers))
+
+    def _fail_running(self, message: str) -> None:
+        """A worker raised (e.g. a processor): fail the batch it was serving, keep the engine."""
+        with self.lock:
+            running = [e.request_id for e in self.coordinator.batch.entries()]
+            self.coordinator.fail_requests(running, f"step failed: {message}")
+            self.coordinator.requeue_running(list(self.workers))
+            self._publish(self.coordinator.take_outputs())
+        ray.get([w.reset.remote() for w in self.workers.values()], timeout=self.timeout_s)
+
+    def _fail(self, message: str) -> None:
+        """Stop serving: every pending request gets ``message`` as its error."""
+        logger.error("%s", message)
+        self.fatal = message
+        self._publish(self.coordinator.fail_all(message))

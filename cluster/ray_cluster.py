@@ -1,0 +1,50 @@
+"""Starting or joining Ray, and placing the workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from cluster.config import RaysampleConfig
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray(config: RaysampleConfig) -> None:
+    """Join the cluster the config names (``auto``, ``ray://host:port``, ``host:port``) or start one (``local``)."""
+    if ray.is_initialized():
+        return
+    cluster = config.cluster
+    kwargs: dict[str, Any] = {"namespace": cluster.namespace, "log_to_driver": True, "ignore_reinit_error": True}
+    if cluster.address == "local":
+        # Logical CPUs: one per worker plus the coordinator, even on a small machine.
+        needed = int(cluster.num_workers * cluster.cpus_per_worker) + 1
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
+    else:
+        ray.init(address=cluster.address, **kwargs)
+
+
+def worker_bundles(config: RaysampleConfig) -> list[dict[str, float]]:
+    bundle: dict[str, float] = {"CPU": config.cluster.cpus_per_worker}
+    if config.cluster.gpus_per_worker > 0:
+        bundle["GPU"] = config.cluster.gpus_per_worker
+    return [dict(bundle) for _ in range(config.cluster.num_workers)]
+
+
+def create_worker_placement(config: RaysampleConfig, timeout_s: float) -> PlacementGroup:
+    """One bundle per worker, with the config's strategy; fails clearly if it cannot be placed."""
+    group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"could not place {config.cluster.num_workers} workers with {worker_bundles(config)[0]} each "
+            f"({config.cluster.placement_strategy}) within {timeout_s:.0f}s; cluster resources: "
+            f"{ray.cluster_resources()}"
+        ) from None
+    return group

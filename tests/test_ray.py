@@ -1,0 +1,191 @@
+"""The engine on Ray: same outputs as in one process, audit, fault tolerance, attach by name.
+
+One Ray cluster (``ray.cluster_utils.Cluster``, a head node plus, for one
+test, a second simulated node) is shared by every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster import Engine, EngineError
+from cluster.local_engine import LocalEngine
+from coordinator.request import FinishReason
+from processors import SamplingParams
+
+PROMPTS = [
+    "a b c a b c a b c",
+    "The quick brown fox jumps over the lazy dog",
+    "Hello <think>",
+    "café 你好",
+    "1 2 3 1 2 3",
+    "Logits processors steer generation",
+]
+
+
+def base_config(**overrides) -> dict:
+    config = {
+        "model": {"tiny": "default", "max_model_len": 160},
+        "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1},
+        "processors": ["processors.examples:DummyLogitsProcessor", "processors.examples:WrappedPerReqLogitsProcessor"],
+        "speculative": {"num_speculative_tokens": 3},
+        "reasoning": {"start": "<think>", "end": "Final answer:"},
+        "cluster": {"call_timeout_s": 60},
+    }
+    for key, value in overrides.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    return config
+
+
+def workload() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(seed=11, temperature=0.9, top_k=50, max_tokens=24, ignore_eos=True),
+        SamplingParams(seed=12, max_tokens=26, ignore_eos=True, thinking_token_budget=5),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, extra_args={"target_token": 77}),
+        SamplingParams(seed=13, max_tokens=28, ignore_eos=True, min_p=0.05, extra_args={"target_token": 5}),
+        SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True, logit_bias={9: 2.0}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
+    ray.init(address=cluster.address, namespace="raysample-tests")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def in_process_reference():
+    engine = LocalEngine(base_config(cluster={"num_workers": 1}, scheduler={"consistency_check_every": 0}))
+    return [o.token_ids for o in engine.generate(PROMPTS, workload())]
+
+
+def start(name: str, **overrides) -> Engine:
+    return Engine.from_config(base_config(cluster={"coordinator_name": name, **overrides.pop("cluster", {})}, **overrides))
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers):
+    engine = start(f"match-{workers}", cluster={"num_workers": workers})
+    try:
+        outputs = engine.generate(PROMPTS, workload())
+        assert [o.token_ids for o in outputs] == in_process_reference
+        stats = engine.stats()
+        assert stats["workers_alive"] == workers and stats["error"] is None
+        assert stats["steps"] > 20  # audited every step
+    finally:
+        engine.shutdown()
+
+
+def test_killed_worker_mid_generation_loses_nothing(ray_cluster):
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in PROMPTS]
+    reference = [o.token_ids for o in LocalEngine(base_config()).generate(PROMPTS, params)]
+    engine = start("kill", cluster={"num_workers": 2})
+    try:
+        ids = engine.submit_many(PROMPTS, params)
+        seen: dict[str, int] = {}
+        while sum(seen.values()) < 40:  # let generation get going
+            for out in engine.poll(ids, 1.0):
+                seen[out.request_id] = len(out.token_ids)
+        ray.kill(engine.worker_handles()[0])
+        final = engine.results(ids)
+        assert [final[i].token_ids for i in ids] == reference
+        assert all(final[i].finish_reason == FinishReason.LENGTH for i in ids)
+        stats = engine.stats()
+        assert stats["recoveries"] == 1 and stats["workers_alive"] == 1
+        after = engine.generate("Hello", params[0])[0]  # still serving
+        assert len(after.token_ids) == 60 and after.error is None
+    finally:
+        engine.shutdown()
+
+
+def test_all_workers_gone_fails_pending_requests_clearly(ray_cluster):
+    engine = start("all-gone", cluster={"num_workers": 2})
+    try:
+        ids = engine.submit_many(PROMPTS[:2], SamplingParams(max_tokens=150, ignore_eos=True, seed=1))
+        engine.poll(ids, 5.0)
+        for handle in engine.worker_handles():
+            ray.kill(handle)
+        final = engine.results(ids)
+        for rid in ids:
+            assert final[rid].finish_reason == FinishReason.ERROR
+            assert "all raysample workers are gone" in final[rid].error
+        with pytest.raises(EngineError, match="all raysample workers are gone"):
+            engine.submit("more", SamplingParams())
+    finally:
+        engine.shutdown()
+
+
+def test_node_removed_on_two_node_cluster(ray_cluster):
+    node = ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    params = [SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True) for _ in PROMPTS]
+    reference = [o.token_ids for o in LocalEngine(base_config()).generate(PROMPTS, params)]
+    engine = start("two-nodes", cluster={"num_workers": 2, "placement_strategy": "STRICT_SPREAD"})
+    try:
+        ids = engine.submit_many(PROMPTS, params)
+        engine.poll(ids, 5.0)
+        ray_cluster.remove_node(node)
+        final = engine.results(ids)
+        assert [final[i].token_ids for i in ids] == reference
+        assert engine.stats()["recoveries"] >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_second_driver_attaches_by_name(ray_cluster):
+    engine = start("shared", cluster={"num_workers": 2})
+    try:
+        mine = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+        script = textwrap.dedent(
+            f"""
+            import json, ray
+            from cluster import Engine
+            from processors import SamplingParams
+            ray.init(address={ray_cluster.address!r}, namespace="raysample-tests")
+            engine = Engine.connect("shared", "raysample")
+            out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+            print(json.dumps(out.token_ids))
+            """
+        )
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == mine.token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
+    import asyncio
+
+    engine = start("stream", cluster={"num_workers": 2})
+    try:
+        async def collect():
+            return [out async for out in engine.stream("Hello", SamplingParams(seed=3, max_tokens=12, ignore_eos=True))]
+
+        outs = asyncio.run(collect())
+        assert outs[-1].finished and len(outs[-1].token_ids) == 12
+        assert "".join(o.new_text for o in outs) == outs[-1].text
+        rid = engine.submit("Hello", SamplingParams(seed=1, max_tokens=150, ignore_eos=True))
+        time.sleep(0.3)
+        assert engine.abort(rid)
+        assert engine.results([rid])[rid].finish_reason == FinishReason.ABORT
+        bad = engine.generate("Hello", SamplingParams(logit_bias={10**6: 1.0}))[0]
+        assert bad.finish_reason == FinishReason.ERROR and "outside the vocabulary" in bad.error
+        with pytest.raises(EngineError, match="unknown request id"):
+            engine.poll(["nope"], 0.1)
+    finally:
+        engine.shutdown()
