@@ -58,8 +58,8 @@ class CoordinatorActor:
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
 
-    def poll(self, request_ids: list[str], timeout_s: float) -> list[Any]:
-        return self.core.poll(request_ids, timeout_s)
+    def poll(self, request_ids: list[str], timeout_s: float, finished_only: bool = False) -> list[Any]:
+        return self.core.poll(request_ids, timeout_s, finished_only)
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

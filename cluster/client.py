@@ -95,14 +95,17 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         return _call(self._actor.abort.remote(request_id), self.timeout_s)
 
-    def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S) -> list[RequestOutput]:
-        return _call(self._actor.poll.remote(list(request_ids), timeout_s), timeout_s + self.timeout_s)
+    def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
+             ) -> list[RequestOutput]:
+        """Outputs since the last poll (waits up to ``timeout_s``); ``finished_only`` skips partial ones."""
+        ref = self._actor.poll.remote(list(request_ids), timeout_s, finished_only)
+        return _call(ref, timeout_s + self.timeout_s)
 
     def results(self, request_ids: Sequence[str]) -> dict[str, RequestOutput]:
         """Block until these requests finish; their final outputs by id."""
         pending, final = set(request_ids), {}
         while pending:
-            for out in self.poll(sorted(pending)):
+            for out in self.poll(sorted(pending), POLL_S * 10, finished_only=True):
                 if out.finished:
                     final[out.request_id] = out
                     pending.discard(out.request_id)

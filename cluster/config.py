@@ -53,6 +53,8 @@ class ClusterSettings(_Section):
     coordinator_name: str = "raysample-coordinator"
     namespace: str = "raysample"
     call_timeout_s: float = Field(default=120.0, gt=0.0)
+    # Fan the plan out through a Ray compiled graph (shared-memory channels) instead of actor calls.
+    compiled_graph: bool = True
 
 
 class SchedulerSettings(_Section):

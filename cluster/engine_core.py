@@ -41,6 +41,8 @@ class EngineCore:
         self.coordinator = coordinator_from_config(self.config, model_path)
         self.placement = create_worker_placement(self.config, self.timeout_s)
         self.workers = self._start_workers()
+        self._graph: Any = None  # compiled graph over the live workers, when enabled
+        self._compile()
         self.lock = threading.Condition()
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.fatal: str | None = None
@@ -67,6 +69,29 @@ class EngineCore:
         logger.info("raysample workers ready on %s", devices)
         return workers
 
+    def _compile(self) -> None:
+        """One compiled graph (shared-memory channels) for the per-step fan-out, when enabled."""
+        self._teardown()
+        if not self.config.cluster.compiled_graph or not self.workers:
+            return
+        from ray.dag import InputNode, MultiOutputNode
+
+        try:
+            with InputNode() as plan:
+                dag = MultiOutputNode([w.step.bind(plan) for w in self.workers.values()])
+            self._graph = dag.experimental_compile()
+        except Exception as exc:  # not available here: plain actor calls still work
+            logger.warning("compiled graph unavailable (%s); using plain actor calls", exc)
+            self._graph = None
+
+    def _teardown(self) -> None:
+        if self._graph is not None:
+            try:
+                self._graph.teardown()
+            except Exception as exc:
+                logger.warning("compiled graph teardown: %s", exc)
+            self._graph = None
+
     # ----- requests (called from actor threads) -----
 
     def ready(self) -> bool:
@@ -91,13 +116,27 @@ class EngineCore:
             self._publish(self.coordinator.take_outputs())
             return aborted
 
-    def poll(self, request_ids: Sequence[str], timeout_s: float) -> list[RequestOutput]:
-        """Outputs of these requests since the last poll; waits up to ``timeout_s`` for one."""
+    def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = False) -> list[RequestOutput]:
+        """Outputs of these requests since the last poll; waits up to ``timeout_s`` for one.
+
+        ``finished_only``: skip intermediate outputs and wake only for final ones,
+        so a blocking caller costs one round trip per finished request, not per step.
+        """
         wanted = list(request_ids)
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while True:
-                ready = [out for rid in wanted for out in self.outputs.pop(rid, [])]
+                ready = []
+                for rid in wanted:
+                    outs = self.outputs.get(rid)
+                    if not outs:
+                        continue
+                    if finished_only:
+                        if outs[-1].finished:
+                            ready.append(outs[-1])
+                            del self.outputs[rid]
+                    else:
+                        ready.extend(self.outputs.pop(rid))
                 if ready:
                     return ready
                 unknown = [rid for rid in wanted if rid not in self.coordinator.requests]
@@ -138,6 +177,7 @@ class EngineCore:
             self._stop = True
             self.lock.notify_all()
         self._thread.join(timeout=self.timeout_s)
+        self._teardown()
         for worker in self.workers.values():
             ray.kill(worker)
         ray.util.remove_placement_group(self.placement)
@@ -176,8 +216,9 @@ class EngineCore:
                 self.step_overhead_ms.append((time.perf_counter() - started - slowest) * 1000)
 
     def _run_step(self, plan: StepPlan) -> list[StepResult] | None:
-        plan_ref = ray.put(plan)
-        pending = {i: w.step.remote(plan_ref) for i, w in self.workers.items()}
+        if self._graph is not None:
+            return self._run_step_compiled(plan)
+        pending = {i: w.step.remote(plan) for i, w in self.workers.items()}
         deadline = time.monotonic() + self.timeout_s
         results, gone, raised = [], [], []
         for i, ref in pending.items():
@@ -195,6 +236,26 @@ class EngineCore:
             self._fail_running("; ".join(raised))
             return None
         return results
+
+    def _run_step_compiled(self, plan: StepPlan) -> list[StepResult] | None:
+        try:
+            return list(ray.get(self._graph.execute(plan), timeout=self.timeout_s))
+        except ray.exceptions.RayTaskError as exc:
+            self._fail_running(str(getattr(exc, "cause", exc)))
+            return None
+        except Exception as exc:  # a worker died or hung: the graph is broken
+            logger.warning("step %d failed (%s: %s); checking workers", plan.step, type(exc).__name__, exc)
+            self._teardown()
+            gone = [i for i, w in self.workers.items() if not self._alive(w)]
+            self._recover(gone)
+            return None
+
+    def _alive(self, worker: Any) -> bool:
+        try:
+            ray.get(worker.ready.remote(), timeout=min(10.0, self.timeout_s))
+            return True
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
 
     def _recover(self, gone: list[int]) -> None:
         """Drop dead workers, reset the others, re-admit every running request."""
@@ -218,6 +279,7 @@ class EngineCore:
             if not self.workers:
                 self._fail("all raysample workers are gone; pending requests cannot be served")
                 return
+            self._compile()
             requeued = self.coordinator.requeue_running(list(self.workers))
             logger.warning("re-admitted %d running requests on workers %s", requeued, sorted(self.workers))
 
@@ -228,7 +290,9 @@ class EngineCore:
             self.coordinator.fail_requests(running, f"step failed: {message}")
             self.coordinator.requeue_running(list(self.workers))
             self._publish(self.coordinator.take_outputs())
+        self._teardown()
         ray.get([w.reset.remote() for w in self.workers.values()], timeout=self.timeout_s)
+        self._compile()
 
     def _fail(self, message: str) -> None:
         """Stop serving: every pending request gets ``message`` as its error."""

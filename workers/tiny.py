@@ -52,6 +52,9 @@ PRESETS: dict[str, TinySpec] = {
     # Small weights: greedy output falls into loops, as real models do on repetitive text,
     # so n-gram drafts get accepted (speculative decoding tests).
     "loopy": TinySpec(initializer_range=0.05),
+    # Nearly free forward pass: measures orchestration, not compute (bench/step_overhead.py).
+    "micro": TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1),
     # Scaled so the forward pass dominates a step on CPU (bench/e2e.py).
     "bench": TinySpec(
         vocab_size=8192,

@@ -1,0 +1,83 @@
+"""Per-step orchestration overhead of the Ray deployment, for 1, 2 and 4 CPU workers.
+
+Overhead = the wall time of one step of the coordinator's loop (plan, send to
+every worker, gather, process) minus the slowest worker's own compute in that
+step. The model is the "micro" tiny model (one layer, hidden 32), so compute is
+small and the orchestration shows; on this 2-core machine, 4 CPU workers still
+share 2 cores, so part of what 4 workers show is waiting for a core.
+Reference: the same step loop in one process (LocalEngine), where the
+overhead is the coordinator's own Python work. Prints median ms/step.
+
+    python bench/step_overhead.py [--workers 1 2 4] [--requests 32] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from cluster import Engine  # noqa: E402
+from cluster.local_engine import LocalEngine  # noqa: E402
+from processors import SamplingParams  # noqa: E402
+
+
+def config(workers: int, name: str) -> dict:
+    return {
+        "model": {"tiny": "micro", "max_model_len": 256},
+        "cluster": {"num_workers": workers, "coordinator_name": name},
+        "scheduler": {"max_num_seqs": 32},
+    }
+
+
+def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) -> float:
+    engine = LocalEngine(config(workers, "local"))
+    overheads = []
+    engine.submit(prompts, params)
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        plan = engine.coordinator.next_plan()
+        if plan is None:
+            break
+        results = [w.step(plan) for w in engine.workers]
+        engine.coordinator.process(plan, results)
+        compute = sum(r.compute_s for r in results)  # in one process the workers run one after another
+        overheads.append((time.perf_counter() - start - compute) * 1000)
+    return statistics.median(overheads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    prompts = [f"request {i}: the quick brown fox" for i in range(args.requests)]
+    params = SamplingParams(seed=1, max_tokens=args.tokens, ignore_eos=True)
+    ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, namespace="raysample-bench", log_to_driver=False)
+    print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU workers; median over steps")
+    print(f"{'workers':>7} {'in-process ms/step':>19} {'Ray ms/step':>12} {'Ray - in-process':>17}")
+    for workers in args.workers:
+        local = local_overhead_ms(workers, prompts, params)
+        engine = Engine.from_config(config(workers, f"bench-{workers}"))
+        try:
+            engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+            before = engine.stats()["steps"]
+            engine.generate(prompts, params)
+            stats = engine.stats()
+            ray_ms = stats["step_overhead_ms_median"]
+            assert stats["steps"] > before
+        finally:
+            engine.shutdown()
+        print(f"{workers:>7} {local:>19.2f} {ray_ms:>12.2f} {ray_ms - local:>17.2f}", flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
