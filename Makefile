@@ -12,15 +12,17 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,zoo]'
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The main job on the embedded default: tiny model, 2 CPU workers on a private Ray instance.
 run: $(STAMP)
-	@echo "raysample: the batch job (cluster.job) lands with issue 7; until then 'make run' only sets up the environment."
-	$(PY) -c "import processors; print('processors', len(processors.__all__), 'names importable')"
+	$(VENV)/bin/raysample generate --config configs/default.yaml --input examples/prompts.jsonl \
+		--output results/default.jsonl --overwrite --show 5
+	@echo "results: results/default.jsonl"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info results

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from processors import EngineConfig, ProcessorSpec, SchedulerConfig, SpeculativeConfig
+from processors import EngineConfig, ModelConfig, ProcessorSpec, SchedulerConfig, SpeculativeConfig
 
 
 class _Section(BaseModel):
@@ -69,10 +69,35 @@ class SchedulerSettings(_Section):
 
 
 class ProcessorItem(_Section):
+    """A processor class with constructor kwargs (given after ``config, device, is_pin_memory``).
+
+    ``request_level: true`` names a vLLM-V0 style request-level callable instead
+    (e.g. ``logits_processor_zoo.vllm:GenLengthLogitsProcessor``); it runs through
+    ``AdapterLogitsProcessor`` for requests whose ``extra_args`` contain ``enable_with``.
+    """
+
     class_: str = Field(alias="class")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    request_level: bool = False
+    enable_with: str | None = None
+    argmax_invariant: bool = False
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _request_level_needs_switch(self) -> ProcessorItem:
+        if self.request_level and not self.enable_with:
+            raise ValueError("a request_level processor needs enable_with: the extra_args key that turns it on")
+        return self
+
+    def spec(self) -> ProcessorSpec:
+        if not self.request_level:
+            return ProcessorSpec(self.class_, dict(self.kwargs))
+        return ProcessorSpec(
+            "processors.request_level:RequestLevelAdapter",
+            {"target": self.class_, "enable_with": self.enable_with, "kwargs": dict(self.kwargs),
+             "argmax_invariant": self.argmax_invariant},
+        )
 
 
 class SpeculativeSettings(_Section):
@@ -111,13 +136,14 @@ class RaysampleConfig(_Section):
         return value
 
     def custom_processors(self) -> list[str | ProcessorSpec]:
-        return [p if isinstance(p, str) else ProcessorSpec(p.class_, dict(p.kwargs)) for p in self.processors]
+        return [p if isinstance(p, str) else p.spec() for p in self.processors]
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, model_path: str | None = None, vocab_size: int = 0, max_model_len: int = 0) -> EngineConfig:
         """What processor constructors receive (vLLM's ``VllmConfig`` attributes they read)."""
         spec = self.speculative
         return EngineConfig(
             scheduler_config=SchedulerConfig(max_num_seqs=self.scheduler.max_num_seqs),
+            model_config=ModelConfig(vocab_size, max_model_len, self.model.tokenizer or model_path),
             speculative_config=None
             if spec is None
             else SpeculativeConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),
@@ -130,9 +156,15 @@ class ConfigError(ValueError):
 
 def _format_errors(exc: ValidationError) -> str:
     lines = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {path}: {err['msg']}")
+    errors = exc.errors()
+    for err in errors:
+        # A processor item is "string or mapping": for a mapping, the string branch is noise.
+        if err["type"] == "string_type" and err["loc"][-1:] == ("str",) and len(errors) > 1:
+            continue
+        path = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-") and p != "ProcessorItem")
+        path = path or "<root>"
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+        lines.append(f"  {path}: {err['msg']}{got}")
     return "invalid raysample config:\n" + "\n".join(lines)
 
 

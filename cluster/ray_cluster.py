@@ -15,12 +15,18 @@ logger = logging.getLogger(__name__)
 
 
 def ensure_ray(config: RaysampleConfig) -> None:
-    """Join the cluster the config names (``auto``, ``ray://host:port``, ``host:port``) or start one (``local``)."""
+    """Join the cluster the config names (``auto``, ``ray://host:port``, ``host:port``) or start one (``local``).
+
+    ``local`` joins the cluster of a Ray job instead when ``RAY_ADDRESS`` is set.
+    """
     if ray.is_initialized():
         return
     cluster = config.cluster
     kwargs: dict[str, Any] = {"namespace": cluster.namespace, "log_to_driver": True, "ignore_reinit_error": True}
-    if cluster.address == "local":
+    if cluster.address == "local" and os.environ.get("RAY_ADDRESS"):
+        # Inside `ray job submit` (or any driver told where its cluster is): join that cluster.
+        ray.init(**kwargs)
+    elif cluster.address == "local":
         # Logical CPUs: one per worker plus the coordinator, even on a small machine.
         needed = int(cluster.num_workers * cluster.cpus_per_worker) + 1
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)

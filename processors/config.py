@@ -34,6 +34,7 @@ class ReasoningConfig:
 class ModelConfig:
     vocab_size: int
     max_model_len: int
+    tokenizer: str | None = None  # path or hub id
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

@@ -19,6 +19,7 @@ from processors import (
     MoveDirectionality,
     RequestLogitsProcessor,
     SamplingParams,
+    process_dict_updates,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,3 +103,29 @@ class WrappedPerReqLogitsProcessor(AdapterLogitsProcessor):
             logger.warning("target_token value %s is not int; not applying logits processor to request.", target)
             return None
         return DummyPerReqLogitsProcessor(target)
+
+
+class BannedTokensLogitsProcessor(LogitsProcessor):
+    """Configured once per engine: ``banned_token_ids`` (constructor kwargs, e.g. from YAML) are
+    masked for every request, except those with ``extra_args={"allow_banned": true}``."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool,
+                 banned_token_ids: list[int] | None = None) -> None:
+        self.banned = torch.tensor(sorted(set(banned_token_ids or [])), dtype=torch.long)
+        self.exempt: dict[int, bool] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(
+            self.exempt, batch_update, lambda params, _, __: True if (params.extra_args or {}).get("allow_banned") else None
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.banned.numel():
+            rows = [r for r in range(logits.shape[0]) if r not in self.exempt]
+            if rows:
+                index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                logits[index.unsqueeze(1), self.banned.to(logits.device).unsqueeze(0)] = float("-inf")
+        return logits

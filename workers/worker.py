@@ -93,7 +93,8 @@ class Worker:
             from processors.thinking_budget import maybe_thinking_budget_holder
 
             thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
-            return Sampler(config.engine_config(), device, config.custom_processors(), thinking=thinking)
+            engine_config = config.engine_config(model_path, runner.vocab_size, runner.max_model_len)
+            return Sampler(engine_config, device, config.custom_processors(), thinking=thinking)
 
         return cls(worker_id, runner, make_sampler(), make_sampler)
 

@@ -1,0 +1,353 @@
+"""Batch generation from JSON lines: ``raysample generate`` / ``python -m cluster.job generate``.
+
+    raysample generate --config configs/default.yaml --input prompts.jsonl --output results.jsonl
+    ray job submit --working-dir . -- python -m cluster.job generate --config ... --input ... --output ...
+
+Input lines: ``{"id": ..., "prompt": "..." | "prompt_token_ids": [...], "sampling_params": {...},
+"extra_args": {...}}`` (``vllm_xargs`` is accepted for ``extra_args``). The input is streamed, the
+engine kept full, each result written (and flushed) as it finishes. Rerunning with the same output
+skips ids already written. A bad line or bad parameters give an error record for that line only;
+the exit code is non-zero only when the job itself fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from cluster.config import ConfigError, RaysampleConfig, load_config
+from coordinator.request import RequestOutput
+from processors import SamplingParams
+
+logger = logging.getLogger("raysample.job")
+
+
+class Backend(Protocol):
+    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[str]: ...
+    def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool) -> list[RequestOutput]: ...
+    def stats(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+class LocalBackend:
+    """The in-process engine behind the same calls as the Ray handle (``--local``)."""
+
+    def __init__(self, config: RaysampleConfig) -> None:
+        from cluster.local_engine import LocalEngine
+
+        self.engine = LocalEngine(config)
+        self._finished: dict[str, RequestOutput] = {}
+
+    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[str]:
+        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+    def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = True) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        while True:
+            for out in self.engine.coordinator.take_outputs() + (self.engine.step() if self.engine.has_unfinished() else []):
+                if out.finished:
+                    self._finished[out.request_id] = out
+            ready = [self._finished.pop(rid) for rid in list(wanted) if rid in self._finished]
+            if ready or not self.engine.has_unfinished():
+                return ready
+
+    def stats(self) -> dict[str, Any]:
+        m = self.engine.coordinator.metrics
+        return {"spec_acceptance": m.spec_acceptance, "generated_tokens": m.generated_tokens}
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class JobCounters:
+    total_lines: int
+    skipped: int = 0  # already in the output (resume)
+    done: int = 0
+    errors: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def rate(self) -> float:
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+class BadLine(ValueError):
+    """One input line cannot become a request; the job records it and goes on."""
+
+
+def parse_line(line: str, defaults: dict[str, Any]) -> tuple[Any, str | list[int], SamplingParams]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BadLine(f"not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise BadLine("each line must be a JSON object")
+    if "id" not in record:
+        raise BadLine("missing 'id'")
+    rid = record["id"]
+    unknown = sorted(set(record) - {"id", "prompt", "prompt_token_ids", "sampling_params", "extra_args", "vllm_xargs"})
+    if unknown:
+        raise BadLine(f"unknown field(s) {unknown}")
+    has_text, has_ids = "prompt" in record, "prompt_token_ids" in record
+    if has_text == has_ids:
+        raise BadLine("give exactly one of 'prompt' or 'prompt_token_ids'")
+    prompt = record["prompt"] if has_text else record["prompt_token_ids"]
+    if has_text and not isinstance(prompt, str):
+        raise BadLine("'prompt' must be a string")
+    if has_ids and not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise BadLine("'prompt_token_ids' must be a list of integers")
+    params = dict(defaults)
+    params.update(record.get("sampling_params") or {})
+    extra = record.get("extra_args", record.get("vllm_xargs"))
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise BadLine("'extra_args' must be an object")
+        params["extra_args"] = {**(params.get("extra_args") or {}), **extra}
+    try:
+        return rid, prompt, SamplingParams.from_dict(params)
+    except (ValueError, TypeError) as exc:
+        raise BadLine(f"invalid sampling_params: {exc}") from None
+
+
+def result_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": rid,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason.value if out.finish_reason else None,
+        "stop_reason": out.stop_reason,
+        "error": out.error,
+        "prompt_tokens": len(out.prompt_token_ids),
+    }
+    if out.logprobs is not None:
+        record["logprobs"] = [
+            {"token_id": lp.sampled_token_id, "logprob": lp.sampled_logprob, "rank": lp.sampled_rank,
+             "top": [[t, v] for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+            for lp in out.logprobs
+        ]
+    end = out.finished_time or time.monotonic()
+    record["timing"] = {
+        "first_token_s": None if out.first_token_time is None else round(out.first_token_time - out.arrival_time, 4),
+        "total_s": round(end - out.arrival_time, 4),
+    }
+    return record
+
+
+def error_record(rid: Any, line_no: int, message: str) -> dict[str, Any]:
+    return {"id": rid, "line": line_no, "error": message, "finish_reason": "error"}
+
+
+def already_written(path: Path) -> tuple[set[str], set[int]]:
+    """(ids with a result, input line numbers with an error record) in an existing output.
+
+    A torn last line from a crash is ignored (and later overwritten).
+    """
+    ids: set[str] = set()
+    lines: set[int] = set()
+    if not path.exists():
+        return ids, lines
+    with path.open("r", encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("line") is not None:
+                lines.add(record["line"])
+            elif "id" in record:
+                ids.add(json.dumps(record["id"]))
+    return ids, lines
+
+
+def _open_for_append(path: Path) -> TextIO:
+    """Append, first dropping a torn (unterminated) last line left by an interrupted run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:
+        data = path.read_bytes()
+        if not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
+    return path.open("a", encoding="utf-8")
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class Progress:
+    """A tqdm bar on a terminal, log lines every ``every_s`` otherwise."""
+
+    def __init__(self, counters: JobCounters, every_s: float) -> None:
+        self.counters = counters
+        self.every_s = every_s
+        self.last_log = time.monotonic()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=counters.total_lines, initial=counters.skipped, unit="req", dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        c = self.counters
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix(tok_s=f"{c.rate():.0f}", errors=c.errors)
+        elif time.monotonic() - self.last_log >= self.every_s:
+            self.last_log = time.monotonic()
+            finished = c.done + c.errors + c.skipped
+            left = c.total_lines - finished
+            per_req = (time.monotonic() - c.started) / max(c.done + c.errors, 1)
+            print(f"[raysample] {finished}/{c.total_lines} requests, {c.rate():.0f} tokens/s, "
+                  f"ETA {left * per_req:.0f}s, {c.errors} errors", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_path: Path,
+            max_in_flight: int, show: int = 0, log_every_s: float = 10.0) -> JobCounters:
+    already, reported_lines = already_written(output_path)
+    counters = JobCounters(total_lines=count_lines(input_path))
+    progress = Progress(counters, log_every_s)
+    seen: set[str] = set()
+    in_flight: dict[str, Any] = {}  # engine request id -> record id
+    shown = 0
+    with input_path.open("r", encoding="utf-8") as source, _open_for_append(output_path) as sink:
+
+        def write(record: dict[str, Any]) -> None:
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+
+        lines: Iterator[tuple[int, str]] = ((n, line) for n, line in enumerate(source, start=1) if line.strip())
+        exhausted = False
+        while not exhausted or in_flight:
+            batch: list[tuple[Any, Any, SamplingParams]] = []
+            while not exhausted and len(in_flight) + len(batch) < max_in_flight:
+                item = next(lines, None)
+                if item is None:
+                    exhausted = True
+                    break
+                line_no, line = item
+                if line_no in reported_lines:
+                    counters.skipped += 1
+                    continue
+                try:
+                    rid, prompt, params = parse_line(line, config.defaults)
+                except BadLine as exc:
+                    rid = _peek_id(line)
+                    write(error_record(rid, line_no, str(exc)))
+                    counters.errors += 1
+                    progress.advance()
+                    continue
+                key = json.dumps(rid)
+                if key in already and key not in seen:
+                    seen.add(key)
+                    counters.skipped += 1
+                    continue
+                if key in seen:
+                    write(error_record(rid, line_no, f"duplicate id {rid!r}: an earlier line has it"))
+                    counters.errors += 1
+                    progress.advance()
+                    continue
+                seen.add(key)
+                batch.append((rid, prompt, params))
+            if batch:
+                ids = backend.submit_many([p for _, p, _ in batch], [sp for _, _, sp in batch])
+                in_flight.update({eid: rid for eid, (rid, _, _) in zip(ids, batch)})
+            if in_flight:
+                for out in backend.poll(list(in_flight), 1.0, True):
+                    rid = in_flight.pop(out.request_id)
+                    write(result_record(rid, out))
+                    counters.tokens += len(out.token_ids)
+                    if out.error:
+                        counters.errors += 1
+                    else:
+                        counters.done += 1
+                    if shown < show:
+                        shown += 1
+                        print(f"[raysample] {rid!r} ({out.finish_reason.value}): {out.text!r}", flush=True)
+                    progress.advance()
+    progress.close()
+    return counters
+
+
+def _peek_id(line: str) -> Any:
+    try:
+        record = json.loads(line)
+        return record.get("id") if isinstance(record, dict) else None
+    except json.JSONDecodeError:
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raysample", description="Batch LLM generation on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for every line of a JSONL file")
+    gen.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    gen.add_argument("--input", required=True, type=Path, help="JSON lines with id, prompt, sampling_params")
+    gen.add_argument("--output", required=True, type=Path, help="JSON lines results; resumed if it exists")
+    gen.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of on Ray")
+    gen.add_argument("--max-in-flight", type=int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
+    gen.add_argument("--show", type=int, default=0, help="print the first N results")
+    gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    if not args.input.exists():
+        print(f"raysample: input {args.input} does not exist", file=sys.stderr)
+        return 2
+    if args.overwrite and args.output.exists():
+        args.output.unlink()
+    try:
+        if args.local:
+            backend: Backend = LocalBackend(config)
+        else:
+            from cluster.client import Engine
+
+            backend = Engine.from_config(config)
+    except Exception as exc:
+        print(f"raysample: the engine could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        counters = run_job(config, backend, args.input, args.output,
+                           args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every)
+        stats = backend.stats()
+    except Exception as exc:
+        print(f"raysample: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        backend.shutdown()
+    elapsed = time.monotonic() - counters.started
+    acceptance = stats.get("spec_acceptance")
+    print(
+        f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
+        f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
+        f"= {counters.rate():.0f} tokens/s; spec acceptance "
+        + ("n/a" if acceptance is None else f"{acceptance:.0%}"),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

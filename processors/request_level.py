@@ -1,0 +1,69 @@
+"""Request-level processors written for vLLM's old interface, named by class in a config.
+
+Libraries such as ``logits-processor-zoo`` ship callables constructed with a
+tokenizer and settings, then called per request as
+``(prompt_ids, past_ids, scores_row)``. ``RequestLevelAdapter`` runs them in
+the batch model through ``AdapterLogitsProcessor``: a request turns one on
+with ``extra_args[enable_with]``, either ``true`` or a mapping of extra
+constructor arguments; the engine-wide ``kwargs`` come from the config. The
+model's tokenizer is passed as ``tokenizer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import Any
+
+import torch
+
+from processors.adapter import AdapterLogitsProcessor, RequestLogitsProcessor
+from processors.sampling_params import SamplingParams
+
+
+@cache
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _import(target: str) -> Any:
+    module_path, _, qualname = target.partition(":") if ":" in target else target.rpartition(".")
+    obj: Any = importlib.import_module(module_path)
+    for attr in qualname.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+class RequestLevelAdapter(AdapterLogitsProcessor):
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool, *, target: str,
+                 enable_with: str, kwargs: dict[str, Any] | None = None, argmax_invariant: bool = False,
+                 tokenizer_arg: str = "tokenizer") -> None:
+        super().__init__(vllm_config, device, is_pin_memory)
+        try:
+            self.factory = _import(target)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"request-level processor {target!r} could not be imported: {exc}") from exc
+        if not callable(self.factory):
+            raise ValueError(f"request-level processor {target!r} is not callable")
+        self.target = target
+        self.enable_with = enable_with
+        self.kwargs = dict(kwargs or {})
+        self.argmax_invariant = argmax_invariant
+        self.tokenizer_arg = tokenizer_arg
+        model_config = getattr(vllm_config, "model_config", None)
+        self.tokenizer_path = getattr(model_config, "tokenizer", None)
+
+    def is_argmax_invariant(self) -> bool:
+        return self.argmax_invariant
+
+    def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
+        setting = (params.extra_args or {}).get(self.enable_with)
+        if setting is None or setting is False:
+            return None
+        per_request = setting if isinstance(setting, dict) else {}
+        kwargs = {**self.kwargs, **per_request}
+        if self.tokenizer_arg and self.tokenizer_path:
+            kwargs.setdefault(self.tokenizer_arg, _load_tokenizer(self.tokenizer_path))
+        return self.factory(**kwargs)
