@@ -12,11 +12,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import RaysampleConfig, load_config
+from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
 from cluster.ray_cluster import ensure_ray
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 
-Prompt = str | list[int]
 POLL_S = 1.0
 
 
@@ -33,15 +33,6 @@ def _call(ref: Any, timeout_s: float | None) -> Any:
         raise EngineError(f"the raysample coordinator is gone: {exc}") from None
     except ray.exceptions.GetTimeoutError:
         raise EngineError(f"the raysample coordinator did not answer within {timeout_s}s") from None
-
-
-def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-    return params
 
 
 class Engine:
@@ -86,7 +77,7 @@ class Engine:
     def submit_many(self, prompts: Sequence[Prompt],
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
                     request_ids: Sequence[str | None] | None = None) -> list[str]:
-        items = list(zip(prompts, _params_list(params, len(prompts)), request_ids or [None] * len(prompts)))
+        items = list(zip(prompts, params_per_prompt(params, len(prompts)), request_ids or [None] * len(prompts)))
         return _call(self._actor.add_requests.remote(items), self.timeout_s)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -114,9 +105,8 @@ class Engine:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (blocking); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = self.submit_many(list(prompts), params)
+        prompts = as_prompt_list(prompts)
+        ids = self.submit_many(prompts, params)
         final = self.results(ids)
         return [final[rid] for rid in ids]
 

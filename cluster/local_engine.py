@@ -14,12 +14,12 @@ import torch
 
 from cluster.audit import check_consistency
 from cluster.config import RaysampleConfig, load_config
+from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
 from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 from workers.worker import Worker
 
-Prompt = str | list[int]
 
 
 def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
@@ -27,15 +27,6 @@ def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
     if config.cluster.gpus_per_worker > 0 and torch.cuda.is_available():
         return torch.device("cuda", worker_id % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def _as_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-    return params
 
 
 class LocalEngine:
@@ -74,9 +65,8 @@ class LocalEngine:
     def submit(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
         """Queue prompts (one prompt may be text or a token-id list); return their request ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [self.add_request(p, sp) for p, sp in zip(prompts, _as_list(params, len(prompts)))]
+        prompts = as_prompt_list(prompts)
+        return [self.add_request(p, sp) for p, sp in zip(prompts, params_per_prompt(params, len(prompts)))]
 
     def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
         """Step until these requests finish, yielding their outputs as they change."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 from processors import SamplingParams
 from workers.sampler import TokenLogprobs
@@ -16,7 +16,7 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
