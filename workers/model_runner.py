@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.cpu_linear import prepack_available, prepack_linears
+
 ATTENTION_NAME = "raysample_packed"
 
 
@@ -146,7 +148,8 @@ class ModelRunner:
     """Holds one model replica, its slot cache, and runs packed forward passes."""
 
     def __init__(self, model_path: str | Path, device: torch.device | str, dtype: str = "auto",
-                 num_slots: int = 64, max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
+                 num_slots: int = 64, max_model_len: int | None = None, trust_remote_code: bool = False,
+                 prepack_cpu_weights: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         _register_attention()
@@ -157,6 +160,8 @@ class ModelRunner:
         )
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.to(self.device).eval()
+        if prepack_cpu_weights and prepack_available(self.device, self.dtype):
+            prepack_linears(self.model)
         config = model.config
         limit = getattr(config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(max_model_len or limit, limit)

@@ -80,6 +80,7 @@ class Worker:
             num_slots=config.scheduler.slots_per_worker(),
             max_model_len=config.model.max_model_len,
             trust_remote_code=config.model.trust_remote_code,
+            prepack_cpu_weights=config.model.cpu_weight_prepack,
         )
         tokenizer = None
         if config.reasoning is not None:

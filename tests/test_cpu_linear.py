@@ -1,0 +1,35 @@
+"""Prepacked oneDNN linears compute what nn.Linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers.cpu_linear import PrepackedLinear, prepack_available, prepack_linears
+
+pytestmark = pytest.mark.skipif(
+    not prepack_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear ops"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_matches_nn_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PrepackedLinear(linear)
+    x = torch.randn(2, rows, 48)
+    with torch.inference_mode():
+        assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        assert packed(x[:, ::2]).shape == (2, (rows + 1) // 2, 80)  # non-contiguous input
+
+
+def test_prepack_linears_replaces_every_linear():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        before = model(x)
+        assert prepack_linears(model) == 2
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        assert torch.allclose(model(x), before, atol=1e-6)
