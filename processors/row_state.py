@@ -58,17 +58,6 @@ class RowColumns:
         self.batch_size = batch_update.batch_size
         return True
 
-    def active_rows(self, mask: np.ndarray, rows: slice | None = None) -> np.ndarray:
-        """Absolute indices of rows in ``rows`` (default: the whole batch) where ``mask`` holds."""
-        start = 0 if rows is None else rows.start
-        stop = self.batch_size if rows is None else rows.stop
-        return np.flatnonzero(mask[start:stop]) + start
-
-
-def rows_of(logits: torch.Tensor, rows: slice | None) -> slice:
-    """The persistent-batch rows a logits tensor holds."""
-    return slice(0, logits.shape[0]) if rows is None else rows
-
 
 # Work on at most this many bytes of logits at once: temporaries stay in cache
 # and below the allocator's mmap threshold (fresh large buffers cost page faults).
