@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from coordinator.plan import StepPlan, StepResult
+from coordinator.plan import StepPlan, StepResult, WorkerInfo
 
 
 @ray.remote
@@ -27,6 +27,9 @@ class WorkerActor:
 
     def ready(self) -> str:
         return self.device
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.device, self.worker.runner.num_blocks, self.worker.runner.block_size)
 
     def step(self, plan: StepPlan) -> StepResult:
         return self.worker.step(plan)

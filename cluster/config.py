@@ -61,13 +61,48 @@ class ClusterSettings(_Section):
 
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
-    # Slots (KV cache rows) per worker; default: max_num_seqs (one worker may hold every request).
+    # Tokens computed per step over all rows (decode, prefill chunks, drafts): long prompts are
+    # split across steps so decoding rows are never starved.
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Rows (running requests) per worker; default: max_num_seqs (one worker may hold every request).
     max_num_seqs_per_worker: int | None = Field(default=None, ge=1)
     seed: int = 0
     consistency_check_every: int = Field(default=0, ge=0)
 
     def slots_per_worker(self) -> int:
         return self.max_num_seqs_per_worker or self.max_num_seqs
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+class CacheSettings(_Section):
+    """Paged KV cache: blocks of ``block_size`` tokens from a memory budget per worker.
+
+    ``kv_cache_memory`` (bytes, or a string such as ``"2GiB"``) fixes the budget; without it a GPU
+    worker takes ``gpu_memory_utilization`` of its device minus what is in use after loading the
+    model, and a CPU worker enough for every row at ``max_model_len``.
+    """
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_memory: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("kmgib")
+        unit = text[len(number):]
+        if unit not in _BYTE_UNITS:
+            raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}")
+        try:
+            return int(float(number) * _BYTE_UNITS[unit])
+        except ValueError:
+            raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
 
 
 class ProcessorItem(_Section):
@@ -124,6 +159,7 @@ class RaysampleConfig(_Section):
     model: ModelSettings
     cluster: ClusterSettings = ClusterSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    cache: CacheSettings = CacheSettings()
     processors: list[Union[str, ProcessorItem]] = Field(default_factory=list)
     speculative: SpeculativeSettings | None = None
     reasoning: ReasoningSettings | None = None

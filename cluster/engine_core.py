@@ -38,9 +38,9 @@ class EngineCore:
         self.config = load_config(config)
         self.timeout_s = self.config.cluster.call_timeout_s
         model_path = self.config.model.resolve_path()
-        self.coordinator = coordinator_from_config(self.config, model_path)
         self.placement = create_worker_placement(self.config, self.timeout_s)
-        self.workers = self._start_workers()
+        self.workers, num_blocks = self._start_workers()
+        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         self._compile()
         self.lock = threading.Condition()
@@ -53,7 +53,8 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="raysample-step-loop", daemon=True)
         self._thread.start()
 
-    def _start_workers(self) -> dict[int, Any]:
+    def _start_workers(self) -> tuple[dict[int, Any], int]:
+        """Workers on their placement bundles, and the KV blocks every one of them holds."""
         from cluster.actors import WorkerActor
 
         cluster = self.config.cluster
@@ -65,9 +66,9 @@ class EngineCore:
                 num_gpus=cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
             ).remote(i, config, self.config.model.resolve_path())
-        devices = ray.get([w.ready.remote() for w in workers.values()], timeout=self.timeout_s)
-        logger.info("raysample workers ready on %s", devices)
-        return workers
+        infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.timeout_s)
+        logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
+        return workers, min(i.num_blocks for i in infos)
 
     def _compile(self) -> None:
         """One compiled graph (shared-memory channels) for the per-step fan-out, when enabled."""

@@ -33,11 +33,12 @@ class LocalEngine:
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
         self.config = load_config(config)
         model_path = self.config.model.resolve_path()
-        self.coordinator = coordinator_from_config(self.config, model_path)
         self.workers = [
             Worker.from_config(i, self.config, model_path, local_device(self.config, i))
             for i in range(self.config.cluster.num_workers)
         ]
+        num_blocks = min(w.runner.num_blocks for w in self.workers)
+        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
 
     @property
     def tokenizer(self) -> Any:

@@ -1,25 +1,34 @@
 """The coordinator: requests, admission, the persistent batch and the plan of every step.
 
 It never touches logits. Each step it takes the workers' sampled tokens,
-applies stop conditions and detokenization, then admits waiting requests,
-builds the BatchUpdate (with swaps that keep each worker's shard contiguous)
-and emits the next ``StepPlan``.
+applies stop conditions and detokenization, then lets the scheduler pick each
+row's tokens and blocks (token budget, chunked prefill, prefix-cache hits,
+preemption), builds the BatchUpdate (with swaps that keep each worker's shard
+contiguous) and emits the next ``StepPlan``. A request with ``n > 1`` is ``n``
+sibling rows whose outputs come back together as one ``RequestOutput``.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.kv_blocks import KVCacheManager
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
-from coordinator.plan import AddedRow, PlanUpdate, StepPlan, StepResult
-from coordinator.request import FinishReason, Request, RequestOutput, RequestStatus
-from coordinator.scheduler import Scheduler, group_by_owner
+from coordinator.plan import AddedRow, PlanUpdate, RowSchedule, StepPlan, StepResult
+from coordinator.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestGroup,
+    RequestOutput,
+    RequestStatus,
+)
+from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
 from workers.sampler import Sampler, TokenLogprobs
@@ -69,11 +78,21 @@ class ModelInfo:
         )
 
 
+@dataclass(frozen=True)
+class KVSettings:
+    """Block geometry the workers reported, and the scheduling knobs that depend on it."""
+
+    num_blocks: int  # per worker
+    block_size: int = 16
+    prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+
+
 class Coordinator:
-    def __init__(self, tokenizer: Any, model: ModelInfo, max_num_seqs: int, num_workers: int, slots_per_worker: int,
-                 seed: int = 0, custom_processors: Sequence[Any] = (), consistency_check_every: int = 0,
-                 default_params: SamplingParams | None = None, drafter: NgramDrafter | None = None,
-                 reasoning_enabled: bool = False) -> None:
+    def __init__(self, tokenizer: Any, model: ModelInfo, max_num_seqs: int, num_workers: int, rows_per_worker: int,
+                 kv: KVSettings, seed: int = 0, custom_processors: Sequence[Any] = (),
+                 consistency_check_every: int = 0, default_params: SamplingParams | None = None,
+                 drafter: NgramDrafter | None = None, reasoning_enabled: bool = False) -> None:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.reasoning_enabled = reasoning_enabled
@@ -83,24 +102,30 @@ class Coordinator:
         self.custom_processors = tuple(custom_processors)
         self.consistency_check_every = consistency_check_every
         self.default_params = default_params or SamplingParams()
-        self.scheduler = Scheduler(max_num_seqs, num_workers, slots_per_worker)
+        self.kv = KVCacheManager(num_workers, kv.num_blocks, kv.block_size, kv.prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs, num_workers, rows_per_worker, kv.max_num_batched_tokens, self.kv)
         self.batch = PersistentBatch(max_num_seqs)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
+        self.rows: dict[str, Request] = {}  # by row id (a child of an n > 1 request has its own)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (text chars, tokens) already reported
-        self._to_remove: list[str] = []  # running requests to drop from the batch at the next plan
+        self._emitted: dict[str, tuple[int, int]] = {}  # row id -> (text chars, tokens) already reported
+        self._to_remove: list[str] = []  # rows to drop from the batch at the next plan
         self._last_tokens: list[list[int]] = []
+        self._last_schedule: StepSchedule | None = None
         self._step = 0
-        self._ids = itertools.count()
-        self._pending_outputs: dict[str, Request] = {}
+        self._next_id = 0
+        self._pending_outputs: dict[str, RequestGroup] = {}
 
     # ----- requests -----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; one that fails validation finishes at once with an error."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests and not self.requests[request_id].finished:
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        existing = self.requests.get(request_id)
+        if existing is not None and not existing.finished:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = (params or self.default_params).clone()
         text = prompt if isinstance(prompt, str) else None
@@ -111,19 +136,30 @@ class Coordinator:
             error = str(exc)
         else:
             error = self._admission_error(prompt_ids, params, request_id)
-        request = Request(request_id, text, prompt_ids, params)
-        if params.logprobs is not None:
-            request.logprobs = []
-        self.requests[request_id] = request
-        self._emitted[request_id] = (0, 0)
+        group = RequestGroup(request_id)
+        n = params.n if error is None else 1
+        for index in range(n):
+            child_params = params if n == 1 else params.child(index)
+            row_id = request_id if n == 1 else f"{request_id}#{index}"
+            if row_id in self.rows and not self.rows[row_id].finished:
+                raise ValueError(f"request id {row_id!r} is already in use")
+            request = Request(row_id, text, prompt_ids, child_params, group=group, child_index=index)
+            if child_params.logprobs is not None:
+                request.logprobs = []
+            group.children.append(request)
+        self.requests[request_id] = group
+        for request in group.children:
+            self.rows[request.request_id] = request
+            self._emitted[request.request_id] = (0, 0)
+            if error is not None:
+                request.finish(FinishReason.ERROR, error=error)
+                continue
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+            self.scheduler.add(request)
         if error is not None:
-            request.finish(FinishReason.ERROR, error=error)
-            self._pending_outputs[request_id] = request
-            return request_id
-        self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-        )
-        self.scheduler.add(request)
+            self._pending_outputs[request_id] = group
         return request_id
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -146,6 +182,9 @@ class Coordinator:
                     "which leaves no room to generate")
         if params.thinking_token_budget is not None and not self.reasoning_enabled:
             return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
+        if params.n > self.scheduler.rows_per_worker:
+            return (f"n={params.n} siblings share one worker's blocks, which holds at most "
+                    f"{self.scheduler.rows_per_worker} rows (scheduler.max_num_seqs_per_worker)")
         try:
             params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
@@ -159,17 +198,20 @@ class Coordinator:
         return None
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now; returns False if it is unknown or already finished."""
-        request = self.requests.get(request_id)
-        if request is None or request.finished:
+        """Stop a request (every completion of it) now; False if it is unknown or already finished."""
+        group = self.requests.get(request_id)
+        if group is None or group.finished:
             return False
-        if request.status == RequestStatus.WAITING:
-            self.scheduler.remove_waiting(request_id)
-        else:
-            self._to_remove.append(request_id)
-        request.finish(FinishReason.ABORT)
-        self._finalize_text(request)
-        self._pending_outputs[request_id] = request
+        for request in group.children:
+            if request.finished:
+                continue
+            if request.status == RequestStatus.WAITING:
+                self.scheduler.remove_waiting(request.request_id)
+            else:
+                self._to_remove.append(request.request_id)
+            request.finish(FinishReason.ABORT)
+            self._finalize_text(request)
+        self._pending_outputs[request_id] = group
         return True
 
     def has_unfinished(self) -> bool:
@@ -188,33 +230,39 @@ class Coordinator:
         had accepted before it, and the next plan re-adds it (prompt + those tokens
         are prefilled again) on a live worker. Returns how many were requeued.
         """
-        running = [self.requests[e.request_id] for e in self.batch.entries()]
+        running = [self.rows[e.request_id] for e in self.batch.entries()]
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove = []
         self._last_tokens = []
-        requeue = sorted((r for r in running if not r.finished), key=lambda r: r.arrival_time)
+        self._last_schedule = None
         for request in running:
             self.scheduler.release(request)
-        for request in reversed(requeue):
+        for request in self.scheduler.waiting:
+            request.kv, request.kv_owner = None, None
+        requeue = [r for r in running if not r.finished]
+        for request in requeue:
             request.status = RequestStatus.WAITING
-            self.scheduler.waiting.appendleft(request)
+        self.scheduler.requeue_front(requeue)
         self.scheduler.set_workers(alive_workers)
+        for group in self.requests.values():
+            group.owner, group.prompt_ready = None, False
         return len(requeue)
 
     def fail_requests(self, request_ids: Sequence[str], message: str) -> None:
-        for request_id in request_ids:
-            request = self.requests[request_id]
+        """Fail rows (by row id); their requests report the error."""
+        for row_id in request_ids:
+            request = self.rows[row_id]
             if not request.finished:
                 request.finish(FinishReason.ERROR, error=message)
                 self._finalize_text(request)
-                self._pending_outputs[request_id] = request
+                self._pending_outputs[request.group.request_id] = request.group
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (no worker left, replicas diverged)."""
-        for request in self.requests.values():
+        for request in self.rows.values():
             if not request.finished:
                 request.finish(FinishReason.ERROR, error=message)
-                self._pending_outputs[request.request_id] = request
+                self._pending_outputs[request.group.request_id] = request.group
         self.scheduler.waiting.clear()
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove, self._last_tokens = [], []
@@ -223,19 +271,29 @@ class Coordinator:
     # ----- one step -----
 
     def next_plan(self) -> StepPlan | None:
-        """Retire finished rows, admit waiting requests, and describe the step; None when idle."""
+        """Retire finished rows, schedule tokens and blocks, and describe the step; None when idle."""
         finished = list(dict.fromkeys(self._to_remove))
         self._to_remove = []
         for rid in finished:
-            self.scheduler.release(self.requests[rid])
-        admitted = self.scheduler.admit(self.batch.num_reqs - len(finished))
-        for request in admitted:
+            self.scheduler.release(self.rows[rid])
+        gone = set(finished)
+        running = [self.rows[rid] for rid in self.batch.request_ids() if rid not in gone]
+        decision = self.scheduler.schedule(running, self._propose if self.drafter is not None else None)
+        for request in decision.preempted:
+            finished.append(request.request_id)
+        self.scheduler.requeue_front(decision.preempted)
+        for request in decision.admitted:
             request.status = RequestStatus.RUNNING
+            group = request.group
+            if request.child_index == 0 and group.owner is None:
+                group.owner = request.owner
+        self._mark_prompts_ready(decision)
+        admitted = decision.admitted
         entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in admitted]
         if not finished and not entries and self.batch.num_reqs == 0:
             return None
         rows = self.batch.update(finished, entries)
-        owners = {rid: self.requests[rid].owner for rid in self.batch.request_ids()}
+        owners = {rid: self.rows[rid].owner for rid in self.batch.request_ids()}
         shards = group_by_owner(self.batch, owners, self.scheduler.num_workers)
         update = self.batch.take_update()
         plan_update = None
@@ -245,6 +303,12 @@ class Coordinator:
                 for row, r in zip(rows, admitted)
             ]
             plan_update = PlanUpdate(update.batch_size, list(update.removed), added, list(update.moved))
+        order = self.batch.request_ids()
+        schedule = [
+            RowSchedule(decision.start[rid], decision.num_tokens[rid], tuple(decision.new_blocks[rid]))
+            for rid in order
+        ]
+        drafts = [decision.drafts.get(rid, []) for rid in order] if self.drafter is not None else None
         self._step += 1
         every = self.consistency_check_every
         plan = StepPlan(
@@ -253,23 +317,28 @@ class Coordinator:
             update=plan_update,
             shards=shards,
             all_greedy=all(e.params.temperature < SAMPLING_EPS for e in self.batch.entries()),
+            schedule=schedule,
             audit=bool(every) and self._step % every == 0,
-            drafts=self._drafts() if self.drafter is not None else None,
+            drafts=drafts,
         )
         self._last_tokens = []
+        self._last_schedule = decision
         return plan
 
-    def _drafts(self) -> list[list[int]]:
-        """Each row's n-gram drafts, limited so accepting all of them plus a bonus stays in bounds."""
-        drafts = []
-        for entry in self.batch.entries():
-            request = self.requests[entry.request_id]
-            params, done = request.params, len(request.output_token_ids)
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
-            room = min(max_tokens - done, self.model.max_model_len - len(request.prompt_token_ids) - done) - 1
-            proposal = self.drafter.propose(request.prompt_token_ids + request.output_token_ids, room) if room > 0 else []
-            drafts.append(proposal)
-        return drafts
+    def _mark_prompts_ready(self, decision: StepSchedule) -> None:
+        for rid, count in decision.num_tokens.items():
+            request = self.rows[rid]
+            if request.child_index == 0 and decision.start[rid] + count >= len(request.prompt_token_ids):
+                request.group.prompt_ready = True
+                if request.group.owner is None:
+                    request.group.owner = request.owner
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds."""
+        params, done = request.params, len(request.output_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
+        room = min(max_tokens - done, self.model.max_model_len - request.num_tokens, budget + 1) - 1
+        return self.drafter.propose(request.all_token_ids(), room) if room > 0 else []
 
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
@@ -282,22 +351,29 @@ class Coordinator:
         last_tokens = []
         now = time.monotonic()
         for row, entry in enumerate(self.batch.entries()):
-            request = self.requests[entry.request_id]
+            request = self.rows[entry.request_id]
             if request.finished:  # aborted while the step ran
                 last_tokens.append([])
                 continue
             if row not in by_row:
                 raise RuntimeError(f"step {plan.step}: no worker returned row {row} ({entry.request_id})")
+            sched = plan.schedule[row]
+            computed = sched.start + sched.num_tokens
+            if computed < request.num_tokens:  # a prefill chunk: its sample is not a token
+                request.kv.num_computed = computed
+                last_tokens.append([])
+                continue
             tokens, lps = by_row[row]
             if plan.drafts is not None and plan.drafts[row]:
                 self.metrics.spec_proposed += len(plan.drafts[row])
                 self.metrics.spec_accepted += len(tokens) - 1
+            request.kv.num_computed = computed + len(tokens) - 1
             accepted = self._accept(request, tokens, lps)
             self.metrics.generated_tokens += len(accepted)
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
             last_tokens.append(accepted)
-            self._pending_outputs[request.request_id] = request
+            self._pending_outputs[request.group.request_id] = request.group
             if request.finished:
                 self._to_remove.append(request.request_id)
         self._last_tokens = last_tokens
@@ -305,7 +381,7 @@ class Coordinator:
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
-        outputs = [self._output(r) for r in self._pending_outputs.values()]
+        outputs = [self._output(g) for g in self._pending_outputs.values()]
         self._pending_outputs = {}
         return outputs
 
@@ -351,32 +427,43 @@ class Coordinator:
         if stop is not None:
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _completion(self, request: Request) -> CompletionOutput:
         detok = self.detokenizers.get(request.request_id)
         text = detok.visible_text(request.finished) if detok is not None else ""
         sent_chars, sent_tokens = self._emitted[request.request_id]
         self._emitted[request.request_id] = (len(text), len(request.output_token_ids))
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
+        logprobs = list(request.logprobs) if request.logprobs is not None else None
+        return CompletionOutput(
+            index=request.child_index,
             text=text,
             token_ids=list(request.output_token_ids),
-            finished=request.finished,
+            cumulative_logprob=sum(lp.sampled_logprob for lp in logprobs) if logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            error=request.error,
             new_text=text[sent_chars:],
             new_token_ids=request.output_token_ids[sent_tokens:],
-            arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
+        )
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        first = group.children[0]
+        errors = [c.error for c in group.children if c.error]
+        first_tokens = [c.first_token_time for c in group.children if c.first_token_time is not None]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(c) for c in group.children],
+            finished=group.finished,
+            error=errors[0] if errors else None,
+            arrival_time=first.arrival_time,
+            first_token_time=min(first_tokens) if first_tokens else None,
+            finished_time=max(c.finished_time for c in group.children) if group.finished else None,
         )
 
 
-def coordinator_from_config(config: Any, model_path: str) -> Coordinator:
-    """Build from a ``RaysampleConfig`` (cluster.config): tokenizer and model facts, no weights."""
+def coordinator_from_config(config: Any, model_path: str, num_blocks: int) -> Coordinator:
+    """Build from a ``RaysampleConfig`` (cluster.config) and the blocks each worker holds: no weights."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -388,7 +475,13 @@ def coordinator_from_config(config: Any, model_path: str) -> Coordinator:
         model,
         max_num_seqs=config.scheduler.max_num_seqs,
         num_workers=config.cluster.num_workers,
-        slots_per_worker=config.scheduler.slots_per_worker(),
+        rows_per_worker=config.scheduler.slots_per_worker(),
+        kv=KVSettings(
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            prefix_caching=config.cache.enable_prefix_caching,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        ),
         seed=config.scheduler.seed,
         custom_processors=config.custom_processors(),
         consistency_check_every=config.scheduler.consistency_check_every,

@@ -31,6 +31,20 @@ class PlanUpdate:
 
 
 @dataclass(frozen=True)
+class RowSchedule:
+    """One row's work: feed tokens ``start .. start + num_tokens`` of prompt + output (its owner only).
+
+    ``new_blocks`` extend the row's block table (an added row starts with an empty one). The row
+    samples a real token when the fed tokens reach the end of what it has; otherwise it is a
+    prefill chunk and its sample is discarded.
+    """
+
+    start: int
+    num_tokens: int
+    new_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """The same plan goes to every worker every step."""
 
@@ -41,6 +55,7 @@ class StepPlan:
     # (start, stop) rows of each worker after the update; contiguous, in worker order.
     shards: list[tuple[int, int]]
     all_greedy: bool
+    schedule: list[RowSchedule] = field(default_factory=list)  # per row after the update
     drafts: list[list[int]] | None = None  # per row, speculative decoding only
     audit: bool = False  # return state digests this step
 
@@ -58,3 +73,12 @@ class StepResult:
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None
     compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker reports once its model and KV cache are up."""
+
+    device: str
+    num_blocks: int
+    block_size: int

@@ -1,13 +1,20 @@
-"""A request's life on the coordinator, and what callers get back."""
+"""A request's life on the coordinator, and what callers get back (vLLM's output shape)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
 
 from processors import SamplingParams
 from workers.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from coordinator.kv_blocks import KVState
+
+_arrivals = itertools.count()
 
 
 class RequestStatus(Enum):
@@ -24,24 +31,82 @@ class FinishReason(StrEnum):
 
 
 @dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request, as vLLM's ``CompletionOutput``.
+
+    ``new_text`` / ``new_token_ids``: what this completion gained since the previous output (streaming).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """A snapshot of one request: cumulative text and tokens plus what is new since the last one."""
+    """A snapshot of one request, as vLLM's ``RequestOutput``: ``outputs`` holds its ``n`` completions."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
-    new_text: str = ""
-    new_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    # The first completion's fields, for n == 1 code.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def new_text(self) -> str:
+        return self.outputs[0].new_text
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.outputs[0].new_token_ids
+
+
+@dataclass
+class RequestGroup:
+    """The ``n`` sibling rows of one request: child 0 prefills the prompt, the others share its blocks."""
+
+    request_id: str
+    children: list[Request] = field(default_factory=list)
+    owner: int | None = None  # child 0's worker when it scheduled its prompt
+    prompt_ready: bool = False  # child 0's prompt blocks are (being) computed
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
 
 
 @dataclass
@@ -50,20 +115,53 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    group: RequestGroup | None = None
+    child_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrivals))
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    owner: int | None = None
+    owner: int | None = None  # worker holding its row
+    kv: KVState | None = None
+    kv_owner: int | None = None  # worker whose blocks ``kv`` names
+    num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def cache_salt(self, prefix_caching: bool) -> bytes | None:
+        """Namespace of its blocks in the prefix index: global, its siblings only, or none."""
+        if prefix_caching:
+            return b""
+        if self.group is not None and len(self.group.children) > 1:
+            return b"group:" + self.group.request_id.encode()
+        return None
+
+    @property
+    def pinned_owner(self) -> int | None:
+        """Siblings run where child 0 computed the prompt, to share its blocks."""
+        return self.group.owner if self.group is not None and self.child_index > 0 else None
+
+    def admissible(self) -> bool:
+        return self.child_index == 0 or self.group is None or self.group.prompt_ready
+
+    def preempt(self) -> None:
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += 1
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -35,6 +35,24 @@ def derive_request_key(request_id: str, engine_seed: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+# vLLM / OpenAI request fields this engine does not implement: a request that sets them is
+# rejected, never silently run without them. A default value (the field left off) passes.
+UNSUPPORTED_FIELDS = {
+    "best_of": "only n completions are generated, not best_of > n candidates ranked by logprob",
+    "use_beam_search": "beam search is not implemented; use n > 1 with sampling",
+    "beam_width": "beam search is not implemented; use n > 1 with sampling",
+    "prompt_logprobs": "prompt logprobs are not computed",
+    "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is an error",
+    "logits_processors": "per-request callables do not cross processes; configure processors by class name",
+    "output_kind": "outputs are cumulative with per-output deltas (new_text, new_token_ids)",
+}
+UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "use_beam_search": (None, False), "beam_width": (None, 1),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "output_kind": (None,),
+}
+
+
 def _fail(field_name: str, message: str) -> ValueError:
     return ValueError(f"{field_name} {message}")
 
@@ -101,6 +119,7 @@ class SamplingParams:
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     _request_key: int | None = field(default=None, repr=False, compare=False)
+    _child_index: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
@@ -208,10 +227,19 @@ class SamplingParams:
 
     @property
     def sampling_key(self) -> int:
-        """Key of this request's random stream: its seed, else the key derived at admission."""
-        if self.seed is not None:
-            return self.seed
-        return self._request_key if self._request_key is not None else 0
+        """Key of this row's random stream: its seed (else the key derived at admission), mixed
+        with the completion index for the siblings of an ``n > 1`` request (index 0 keeps it)."""
+        base = self.seed if self.seed is not None else (self._request_key if self._request_key is not None else 0)
+        if self._child_index == 0:
+            return base
+        digest = hashlib.blake2b(f"{base}:{self._child_index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def child(self, index: int) -> SamplingParams:
+        """Params of completion ``index`` of an ``n > 1`` request: one row, its own random stream."""
+        params = dataclasses.replace(self, n=1)
+        params._child_index = index
+        return params
 
     def assign_request_key(self, request_id: str, engine_seed: int) -> None:
         """Give an unseeded request a stream of its own, stable across processes."""
@@ -276,6 +304,12 @@ class SamplingParams:
         if not isinstance(data, dict):
             raise ValueError(f"sampling_params must be a mapping, got {type(data).__name__}.")
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        if "best_of" in data and data["best_of"] == data.get("n", 1):
+            data = {k: v for k, v in data.items() if k != "best_of"}  # best_of == n ranks nothing
+        for name, why in UNSUPPORTED_FIELDS.items():
+            if name in data and data[name] not in UNSUPPORTED_DEFAULTS.get(name, (None,)):
+                raise ValueError(f"sampling_params.{name} is not supported: {why}.")
+        data = {k: v for k, v in data.items() if k not in UNSUPPORTED_FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"sampling_params has unknown field(s) {unknown}; known fields: {sorted(known)}.")

@@ -7,7 +7,7 @@ this worker's own, which grow by the tokens every plan carries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.plan import PlanUpdate
 from processors import BatchUpdate, MoveDirectionality, SamplingParams
@@ -21,6 +21,14 @@ class MirrorRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     owner: int
+    block_table: list[int] = field(default_factory=list)  # the owner's KV blocks (coordinator-chosen)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start..stop`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : stop - len(prompt)]
+        return prompt[start:stop] + self.output_token_ids[: max(0, stop - len(prompt))]
 
     def digest(self) -> bytes:
         return digest_of(self.request_id, self.owner, self.prompt_token_ids, self.output_token_ids)

@@ -20,38 +20,6 @@ from workers.rejection import verify_drafts
 from workers.sampler import Sampler
 
 
-class SlotTable:
-    """Which KV slot each owned request uses and how many of its tokens are cached."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.free = list(range(num_slots - 1, -1, -1))  # pop() yields the lowest
-        self.slot: dict[str, int] = {}
-        self.cached: dict[str, int] = {}
-
-    def ensure(self, request_id: str) -> int:
-        if request_id not in self.slot:
-            if not self.free:
-                raise RuntimeError("no free KV slot: the scheduler admitted more requests than this worker holds")
-            self.slot[request_id] = self.free.pop()
-            self.cached[request_id] = 0
-        return self.slot[request_id]
-
-    def release(self, request_id: str) -> None:
-        slot = self.slot.pop(request_id, None)
-        if slot is not None:
-            self.cached.pop(request_id, None)
-            self.free.append(slot)
-            self.free.sort(reverse=True)
-
-
-def new_tokens(row: MirrorRow, cached: int) -> list[int]:
-    """Tokens of prompt + output not yet in the cache."""
-    prompt_len = len(row.prompt_token_ids)
-    if cached >= prompt_len:
-        return row.output_token_ids[cached - prompt_len :]
-    return row.prompt_token_ids[cached:] + row.output_token_ids
-
-
 class Worker:
     def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler,
                  make_sampler: Callable[[], Sampler] | None = None) -> None:
@@ -60,7 +28,6 @@ class Worker:
         self.sampler = sampler
         self.make_sampler = make_sampler
         self.mirror = BatchMirror()
-        self.slots = SlotTable(runner.num_slots)
 
     def reset(self) -> None:
         """Forget the batch (after another worker failed, everything is re-added)."""
@@ -68,7 +35,6 @@ class Worker:
             raise RuntimeError("this worker cannot rebuild its sampler")
         self.sampler = self.make_sampler()
         self.mirror = BatchMirror()
-        self.slots = SlotTable(self.runner.num_slots)
 
     @classmethod
     def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
@@ -77,10 +43,13 @@ class Worker:
             model_path,
             device,
             config.model.dtype,
-            num_slots=config.scheduler.slots_per_worker(),
             max_model_len=config.model.max_model_len,
             trust_remote_code=config.model.trust_remote_code,
             prepack_cpu_weights=config.model.cpu_weight_prepack,
+            block_size=config.cache.block_size,
+            kv_cache_memory=config.cache.kv_cache_memory,
+            gpu_memory_utilization=config.cache.gpu_memory_utilization,
+            max_rows=config.scheduler.slots_per_worker(),
         )
         tokenizer = None
         if config.reasoning is not None:
@@ -103,22 +72,18 @@ class Worker:
     def step(self, plan: StepPlan) -> StepResult:
         start_time = time.perf_counter()
         self.mirror.append_tokens(plan.last_tokens)
-        batch_update, departed = self.mirror.apply(plan.update)
-        for request_id in departed:
-            self.slots.release(request_id)
+        batch_update, _ = self.mirror.apply(plan.update)
         self.sampler.update_state(batch_update)
 
         lo, hi = plan.shards[self.worker_id]
         work = []
         for index in range(lo, hi):
             row = self.mirror.row(index)
-            slot = self.slots.ensure(row.request_id)
-            cached = self.slots.cached[row.request_id]
-            tokens = new_tokens(row, cached)
-            if not tokens:
-                raise RuntimeError(f"row {index} ({row.request_id}) has no new token to feed")
+            sched = plan.schedule[index]
+            row.block_table.extend(sched.new_blocks)
+            tokens = row.token_slice(sched.start, sched.start + sched.num_tokens)
             drafts = plan.drafts[index] if plan.drafts is not None else []
-            work.append(RowWork(slot=slot, token_ids=tokens + drafts, start_pos=cached, num_logits=len(drafts) + 1))
+            work.append(RowWork(row.block_table, tokens + drafts, sched.start, num_logits=len(drafts) + 1))
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), tokens=[])
         if work:
             logits = self.runner.forward(work)
@@ -132,10 +97,6 @@ class Worker:
                 result.tokens = verified.tokens
                 if any(lp is not None for lp in verified.logprobs):
                     result.logprobs = verified.logprobs
-            for i, (index, item) in enumerate(zip(range(lo, hi), work)):
-                # Cached now: the fed tokens minus the drafts that were rejected.
-                rejected = (item.num_logits - 1) - (len(result.tokens[i]) - 1)
-                self.slots.cached[self.mirror.row(index).request_id] = item.start_pos + len(item.token_ids) - rejected
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()

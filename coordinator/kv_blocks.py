@@ -1,0 +1,159 @@
+"""KV block accounting, kept on the coordinator for every worker's pool.
+
+The coordinator decides which blocks every request uses and sends block ids in
+the plan, so admission, prefix-cache hits and preemption are a deterministic
+function of the plan history: no worker has private state that scheduling
+depends on. Per worker: a free queue (least recently freed evicted first), ref
+counts, and a prefix index from block-content keys to blocks. A key chains
+the previous block's key with the block's tokens (blake2b, 128 bits) and
+starts from a salt, so ``n > 1`` siblings share their prompt blocks even when
+prefix caching across requests is off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Sequence[bytes] = ()) -> list[bytes]:
+    """Keys of every full block of ``tokens``; ``start`` are keys already computed for the first blocks."""
+    keys = list(start)
+    parent = keys[-1] if keys else salt
+    for b in range(len(keys), len(tokens) // block_size):
+        chunk = tokens[b * block_size : (b + 1) * block_size]
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in chunk))
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+class BlockPool:
+    """One worker's blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.index: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` blocks from the head of the free queue, dropping their cached content."""
+        if count > len(self.free):
+            raise RuntimeError(f"asked for {count} KV blocks, {len(self.free)} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self.free.popitem(last=False)
+            key = self.key_of[block]
+            if key is not None:
+                if self.index.get(key) == block:
+                    del self.index[key]
+                self.key_of[block] = None
+            self.ref[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Cached blocks of the longest prefix of ``keys``."""
+        hits = []
+        for key in keys:
+            block = self.index.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self.free[block]
+            self.ref[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop references; a request's tail blocks go first in the eviction order."""
+        for block in reversed(blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+
+    def register(self, block: int, key: bytes) -> None:
+        if key not in self.index and self.key_of[block] is None:
+            self.index[key] = block
+            self.key_of[block] = key
+
+
+@dataclass
+class KVState:
+    """A request's KV on its owner: block table, tokens computed, keys of its full blocks."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_workers: int, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.pools = [BlockPool(num_blocks) for _ in range(num_workers)]
+        self.prefill_tokens = 0  # tokens computed for prompts (and recomputed outputs), a metric
+        self.hit_tokens = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def start(self, owner: int, tokens: Sequence[int], salt: bytes | None) -> KVState:
+        """A fresh state on ``owner``, starting from the longest cached prefix (at least one token left to run)."""
+        state = KVState()
+        if salt is None:
+            return state
+        keys = chain_keys(tokens, self.block_size, salt)
+        usable = (len(tokens) - 1) // self.block_size
+        hits = self.pools[owner].lookup(keys[:usable])
+        self.pools[owner].share(hits)
+        state.block_table = hits
+        state.num_computed = len(hits) * self.block_size
+        state.keys = keys
+        state.num_registered = len(hits)
+        self.hit_tokens += state.num_computed
+        return state
+
+    def extra_blocks(self, state: KVState, num_tokens_total: int) -> int:
+        return max(0, self.blocks_for(num_tokens_total) - len(state.block_table))
+
+    def grow(self, owner: int, state: KVState, num_tokens_total: int) -> list[int]:
+        """Allocate blocks so the table covers ``num_tokens_total`` positions; returns the new ones."""
+        new = self.pools[owner].allocate(self.extra_blocks(state, num_tokens_total))
+        state.block_table.extend(new)
+        return new
+
+    def commit(self, owner: int, state: KVState, tokens: Sequence[int], computed: int, salt: bytes | None) -> None:
+        """Publish full blocks whose first ``computed`` tokens are (being) computed in this step."""
+        if salt is None:
+            return
+        full = min(computed, len(tokens)) // self.block_size
+        if full <= state.num_registered:
+            return
+        state.keys = chain_keys(tokens[: full * self.block_size], self.block_size, salt, state.keys[:full])
+        pool = self.pools[owner]
+        for b in range(state.num_registered, full):
+            pool.register(state.block_table[b], state.keys[b])
+        state.num_registered = full
+
+    def free(self, owner: int, state: KVState) -> None:
+        self.pools[owner].release(state.block_table)
+        state.block_table = []
+
+    def usage(self) -> float:
+        used = sum(p.num_blocks - p.num_free for p in self.pools)
+        return used / max(1, sum(p.num_blocks for p in self.pools))
