@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from workers.cpu_linear import prepack_available, prepack_linears
@@ -21,6 +22,7 @@ from workers.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
     AttentionGroup,
+    BlockMajorDecode,
     PackedStep,
     PagedKVCache,
     UnsupportedAttention,
@@ -99,6 +101,7 @@ class ModelRunner:
                 f"({per_block} bytes each); one sequence of max_model_len={self.max_model_len} needs {min_blocks}. "
                 "Raise cache.kv_cache_memory / cache.gpu_memory_utilization or lower model.max_model_len."
             )
+        self.last_step: PackedStep | None = None
         self.cache = PagedKVCache(layers, self.num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", self.num_blocks, block_size,
                     self.num_blocks * per_block / 2**20, self.device)
@@ -147,16 +150,69 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long)
         single = [s for s in spans if s[2] == 1]
         short = [s for s in spans if 1 < s[2] <= SHORT_QUERY_LIMIT]
-        groups = [self._group(rows, members, pos_t) for members in (single, short) if members]
+        decode = self._block_major(rows, single, positions) if single else None
+        groups = [self._group(rows, members, pos_t) for members in ([] if decode else single, short) if members]
         groups += [self._group(rows, [s], pos_t) for s in spans if s[2] > SHORT_QUERY_LIMIT]
         step = PackedStep(
             cache=self.cache,
             write_block=torch.tensor(blocks, dtype=torch.long, device=device),
             write_offset=torch.tensor(offsets, dtype=torch.long, device=device),
             groups=groups,
+            decode=decode,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
+
+    def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],
+                     positions: list[int]) -> BlockMajorDecode | None:
+        """Block-major decode attention: in place when the rows' blocks are distinct and dense in their
+        range, else on a compact copy of them."""
+        bs = self.block_size
+        tables = [rows[i].block_table[: rows[i].start_pos // bs + 1] for i, _, _ in members]
+        counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+        used = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=int(counts.sum()))
+        lo, hi = int(used.min()), int(used.max()) + 1
+        width = int(counts.max())
+        gather = None
+        if np.unique(used).size != used.size or hi - lo > 3 * used.size:
+            # Shared or scattered blocks: copy each row's blocks next to each other once, plus one
+            # block whose keys are all masked for the padding.
+            gather = np.append(used, used[0])
+            lo, hi, used = 0, gather.size, np.arange(used.size)
+        elif (hi - lo) == used.size and width > int(counts.min()):  # padding needs an unowned block
+            if hi < self.num_blocks:
+                hi += 1
+            elif lo > 0:
+                lo -= 1
+            else:
+                gather = np.append(used, used[0])
+                lo, hi, used = 0, gather.size, np.arange(used.size)
+        span = hi - lo
+        row_index = np.repeat(np.arange(len(tables)), counts)
+        block_index = np.concatenate([np.arange(c) for c in counts])
+        local = used - lo
+        row_of_block = np.zeros(span, dtype=np.int64)
+        row_of_block[local] = row_index
+        key_pos = np.full((span, bs), -1, dtype=np.int64)
+        key_pos[local] = block_index[:, None] * bs + np.arange(bs)
+        query = np.array([positions[offset] for _, offset, _ in members], dtype=np.int64)
+        query_pos = np.zeros((span, 1), dtype=np.int64)
+        query_pos[local, 0] = query[row_index]
+        owned = np.zeros(span, dtype=bool)
+        owned[local] = True
+        idle = int(np.flatnonzero(~owned)[0]) if not owned.all() else 0
+        row_blocks = np.full((len(tables), width), idle, dtype=np.int64)
+        row_blocks[row_index, block_index] = local
+        device = self.device
+        return BlockMajorDecode(
+            lo=lo, hi=hi,
+            gather=None if gather is None else torch.from_numpy(gather).to(device),
+            tokens=torch.tensor([offset for _, offset, _ in members], dtype=torch.long, device=device),
+            row_of_block=torch.from_numpy(row_of_block).to(device),
+            row_blocks=torch.from_numpy(row_blocks).to(device),
+            key_pos=torch.from_numpy(key_pos).to(device),
+            query_pos=torch.from_numpy(query_pos).to(device),
+        )
 
     def _group(self, rows: list[RowWork], members: list[tuple[int, int, int]], pos_t: torch.Tensor) -> AttentionGroup:
         q_len = max(n for _, _, n in members)
@@ -190,6 +246,7 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         input_ids, position_ids, keep, step = self._pack(rows)
+        self.last_step = step  # inspected by the load-time check
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -85,6 +85,13 @@ def verify_against_eager(runner: ModelRunner) -> None:
         raise UnsupportedAttention(f"{arch}: {exc}") from None
     except Exception as exc:
         raise UnsupportedAttention(f"{arch}: its attention layers do not run on the paged runner ({type(exc).__name__}: {exc})") from None
+    called = runner.last_step.layers_called if runner.last_step is not None else set()
+    layers = runner.cache.keys
+    if len(called) != len(layers):
+        raise UnsupportedAttention(
+            f"{arch}: {len(layers) - len(called)} of {len(layers)} attention layers do not go through "
+            "transformers' AttentionInterface, so the paged KV cache cannot serve them"
+        )
     paged = torch.cat([first, rest, last])
     model.set_attn_implementation("eager")
     try:

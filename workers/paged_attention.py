@@ -40,15 +40,15 @@ class UnsupportedAttention(RuntimeError):
 
 
 class PagedKVCache:
-    """Per-layer K/V pools ``[kv_heads, num_blocks, block_size, head_dim]``.
+    """Per-layer K/V pools ``[num_blocks, kv_heads, block_size, head_dim]``.
 
-    Kv-head-major so that gathering a row's blocks yields ``[kv_heads, rows, keys, head_dim]``
-    without a second copy.
+    Block-major, so a range of blocks is one contiguous batch of small matrices: decode
+    attention reads K/V where they lie, without gathering them.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (kv_heads, num_blocks, block_size, head_dim)
+        shape = (num_blocks, kv_heads, block_size, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
@@ -87,6 +87,37 @@ class AttentionGroup:
 
 
 @dataclass
+class BlockMajorDecode:
+    """One-token rows whose blocks are all distinct, attended block by block in place.
+
+    Scores are computed for every block in ``[lo, hi)`` against the query of the row that owns
+    it (unowned blocks are masked), then gathered per row for the softmax; the probabilities go
+    back to their blocks to multiply V in place. Only scores and per-block outputs are gathered,
+    never K/V.
+    """
+
+    lo: int
+    hi: int
+    gather: torch.Tensor | None  # blocks to copy into a compact range first (then lo = 0, hi = len)
+    tokens: torch.Tensor  # (rows,) packed index of each row's query
+    row_of_block: torch.Tensor  # (hi - lo,) row owning each block, 0 for unowned (masked)
+    row_blocks: torch.Tensor  # (rows, blocks_per_row) block - lo of each row; padding: an unowned block
+    key_pos: torch.Tensor  # (hi - lo, block_size) absolute key positions; -1 for unowned blocks
+    query_pos: torch.Tensor  # (hi - lo, 1) position of the owning row's query
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Additive ``(hi - lo, 1, 1, block_size)``."""
+        if window not in self._masks:
+            allowed = (self.key_pos >= 0) & (self.key_pos <= self.query_pos)
+            if window is not None:
+                allowed &= self.key_pos > self.query_pos - window
+            additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            self._masks[window] = additive.masked_fill_(~allowed, _MASKED)[:, None, None, :]
+        return self._masks[window]
+
+
+@dataclass
 class PackedStep:
     """Everything the attention function needs for one forward, shared by every layer."""
 
@@ -94,7 +125,9 @@ class PackedStep:
     write_block: torch.Tensor  # (N,)
     write_offset: torch.Tensor  # (N,)
     groups: list[AttentionGroup]
+    decode: BlockMajorDecode | None = None
     seen_kwargs: set[str] = field(default_factory=set)
+    layers_called: set[int] = field(default_factory=set)
 
 
 def _window(sliding_window: Any) -> int | None:
@@ -127,6 +160,40 @@ def _manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additiv
     return out.view(kv, rows, groups, q_len, dim)
 
 
+def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        additive: torch.Tensor, scaling: float, softcap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """q ``(rows, kv, g, d)`` -> ``(rows, kv, g, d)``; eager semantics, K/V read in place.
+
+    Padding in ``row_blocks`` points at a block of the range that no row owns (fully masked),
+    so its probabilities are exactly zero and it adds nothing.
+    """
+    if dec.gather is not None:
+        k_blocks, v_blocks = k_pool.index_select(0, dec.gather), v_pool.index_select(0, dec.gather)
+    else:
+        k_blocks, v_blocks = k_pool[dec.lo : dec.hi], v_pool[dec.lo : dec.hi]
+    qb = q.index_select(0, dec.row_of_block).to(k_pool.dtype)  # (B, kv, g, d)
+    scores = torch.matmul(qb, k_blocks.transpose(-1, -2)).float().mul_(scaling)  # (B, kv, g, bs)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.add_(additive)
+    # Softmax over each row's (blocks, offsets) without moving them next to each other.
+    per_row = scores[dec.row_blocks]  # (rows, blocks, kv, g, bs)
+    top = per_row.amax(dim=(1, 4), keepdim=True)
+    if sinks is not None:
+        sink = sinks.float().view(1, 1, *per_row.shape[2:4], 1)
+        top = torch.maximum(top, sink)
+    probs = per_row.sub_(top).exp_()
+    total = probs.sum(dim=(1, 4), keepdim=True)
+    if sinks is not None:
+        total += (sink - top).exp()
+    probs.div_(total)
+    by_block = torch.zeros_like(scores)
+    by_block[dec.row_blocks] = probs  # real blocks belong to one row each; padding writes zeros
+    out_blocks = torch.matmul(by_block.to(v_pool.dtype), v_blocks)  # (B, kv, g, d)
+    return out_blocks[dec.row_blocks].sum(dim=1)  # (rows, kv, g, d)
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # (1, heads, N, head_dim), RoPE applied
@@ -152,21 +219,32 @@ def paged_attention(
                                                   ("s_aux", s_aux)) if v is not None)
     window = _window(sliding_window)
     layer = module.layer_idx
+    packed_step.layers_called.add(layer)
     cache = packed_step.cache
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    k_pool[:, packed_step.write_block, packed_step.write_offset] = key[0].to(k_pool.dtype)
-    v_pool[:, packed_step.write_block, packed_step.write_offset] = value[0].to(v_pool.dtype)
+    k_pool[packed_step.write_block, :, packed_step.write_offset] = key[0].transpose(0, 1).to(k_pool.dtype)
+    v_pool[packed_step.write_block, :, packed_step.write_offset] = value[0].transpose(0, 1).to(v_pool.dtype)
 
     heads, n_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = k_pool.shape[0]
+    kv_heads = k_pool.shape[1]
     groups_per_kv = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(n_tokens, heads, head_dim)
     q_all = query[0].transpose(0, 1)  # (N, heads, head_dim)
+    if packed_step.decode is not None:
+        dec = packed_step.decode
+        q = q_all[dec.tokens].view(-1, kv_heads, groups_per_kv, head_dim)
+        attn = _block_major_decode(dec, q, k_pool, v_pool, dec.mask(window), scale, softcap, s_aux)
+        out[dec.tokens] = attn.reshape(-1, heads, head_dim).to(out.dtype)
     for group in packed_step.groups:
-        # (kv, rows * blocks, bs, d) -> (kv, rows, L, d): one block-wise gather per group and layer.
-        k = k_pool.index_select(1, group.block_index).view(kv_heads, group.rows, group.key_len, head_dim)
-        v = v_pool.index_select(1, group.block_index).view(kv_heads, group.rows, group.key_len, head_dim)
+        # (rows * blocks, kv, bs, d) -> (kv, rows, L, d): one block-wise gather per group and layer.
+        rows, blocks = group.rows, group.key_len // cache.block_size
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            picked = pool.index_select(0, group.block_index).view(rows, blocks, kv_heads, cache.block_size, head_dim)
+            return picked.permute(2, 0, 1, 3, 4).reshape(kv_heads, rows, group.key_len, head_dim)
+
+        k, v = gather(k_pool), gather(v_pool)
         q = q_all[group.token_index]  # (rows, q, heads, d)
         allowed, additive = group.masks(window)
         if softcap is None and s_aux is None and group.q_len > 1:
