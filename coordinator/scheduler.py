@@ -116,7 +116,7 @@ class Scheduler:
         for request in active:
             remaining = request.num_tokens - request.kv.num_computed - out.num_tokens[request.request_id]
             if remaining > 0 and budget > 0:
-                extra = self._affordable(request, min(remaining, budget))
+                extra = self._affordable(request, min(remaining, budget), extra_after=out.num_tokens[request.request_id])
                 if extra:
                     self._grow(request, out, extra)
                     budget -= extra

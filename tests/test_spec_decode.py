@@ -56,6 +56,18 @@ def test_greedy_with_spec_equals_without(reference_outputs, k):
     assert outputs[3].token_ids.index(2) >= 20 if 2 in outputs[3].token_ids else True
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_random_sampling_with_spec_equals_without(k):
+    """Coupled verification: each position's token is the one sampled without speculation."""
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=40, ignore_eos=True, repetition_penalty=r)
+              for t, p, s, r in [(0.7, 1.0, 1, 1.0), (1.0, 0.9, None, 1.2), (0.4, 0.95, 7, 1.0),
+                                 (1.3, 1.0, None, 1.0), (0.9, 0.8, 3, 1.1)]]
+    plain = LocalEngine(BASE).generate(PROMPTS, params)
+    spec = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": k}, "cluster": {"num_workers": 2}})
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert spec.coordinator.metrics.spec_accepted > 0
+
+
 def test_acceptance_above_half_on_repetitive_prompts():
     engine = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": 3}})
     engine.generate(

@@ -5,13 +5,16 @@ the row's output list (and removed afterwards), so every processor that
 reads output ids (penalties, bad words, min tokens, custom ones, the
 thinking budget) sees exactly what it would see without speculation.
 
-Greedy rows accept while the draft equals the argmax; the first mismatch
-emits the argmax, and a row that accepts all its drafts emits the bonus
-token. Random rows accept draft ``d`` with probability ``p(d)`` (n-gram
-drafts are one-hot proposals); on rejection they sample from ``p`` with
-``d`` removed, which makes every emitted token distributed exactly as
-without speculation. All randomness comes from the counter-based generator
-(independent streams by salt), so results do not depend on placement.
+Every row samples position ``j`` exactly as it would without speculation:
+greedy rows take the argmax, random rows the counter-based sample keyed by
+(request key, position). A draft is accepted while it equals that token; the
+first mismatch emits the token, and a row that accepts all its drafts emits
+the bonus token. For one-hot (n-gram) drafts this is rejection sampling:
+draft ``d`` is accepted with probability ``p(d)``, and a rejection emits a
+sample of ``p`` conditioned on not ``d``, the residual distribution. Because
+the token at each position does not depend on whether a draft was proposed
+there, output with speculation equals output without it token for token, for
+random rows as for greedy ones, whatever the scheduling (preemption, budget).
 """
 
 from __future__ import annotations
@@ -21,11 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.counter_rng import uniform
 from workers.sampler import Sampler, TokenLogprobs
-
-SALT_ACCEPT = 1
-SALT_RESAMPLE = 2
 
 
 @dataclass
@@ -71,33 +70,18 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
             raw = step_logits.clone() if logprob_local else None
             processed, chosen = sampler.process(step_logits, rows, {r: c for r, c in enumerate(appended) if c})
             tokens = chosen.clone()
+            random_rows = active[~greedy[active]]
+            if random_rows.size:
+                index = torch.from_numpy(random_rows).to(tokens.device)
+                sub = processed.index_select(0, torch.from_numpy(random_rows).to(processed.device))
+                tokens[index] = sampler.sample_rows(sub, random_rows + rows.start).to(tokens.device)
             finished_here = np.zeros(n, dtype=bool)
             has_draft = active[counts[active] > j]
-            draft_tok = np.array([shard_drafts[i][j] for i in has_draft], dtype=np.int64)
-            # Greedy rows: accept while the draft is the argmax.
-            g = ~greedy[has_draft] if has_draft.size else np.zeros(0, dtype=bool)
-            greedy_rows, greedy_drafts = has_draft[~g], draft_tok[~g]
-            if greedy_rows.size:
-                match = chosen[torch.from_numpy(greedy_rows)].cpu().numpy() == greedy_drafts
-                finished_here[greedy_rows[~match]] = True
-            random_rows, random_drafts = has_draft[g], draft_tok[g]
-            if random_rows.size:
-                rejected = _reject(sampler, processed, random_rows, random_drafts, rows)
-                accepted_rows = random_rows[~rejected]
-                tokens[torch.from_numpy(accepted_rows)] = torch.from_numpy(random_drafts[~rejected]).to(tokens.device)
-                if rejected.any():
-                    bad_rows, bad_drafts = random_rows[rejected], random_drafts[rejected]
-                    sub = processed.index_select(0, torch.from_numpy(bad_rows).to(processed.device))
-                    sub[torch.arange(bad_rows.size), torch.from_numpy(bad_drafts)] = float("-inf")
-                    tokens[torch.from_numpy(bad_rows)] = sampler.sample_rows(sub, bad_rows + rows.start, SALT_RESAMPLE)
-                    finished_here[bad_rows] = True
-            # Bonus position (all drafts accepted): an ordinary sample.
-            bonus = active[counts[active] == j]
-            bonus_random = bonus[~greedy[bonus]]
-            if bonus_random.size:
-                sub = processed.index_select(0, torch.from_numpy(bonus_random).to(processed.device))
-                tokens[torch.from_numpy(bonus_random)] = sampler.sample_rows(sub, bonus_random + rows.start)
-            finished_here[bonus] = True
+            if has_draft.size:
+                draft_tok = np.array([shard_drafts[i][j] for i in has_draft], dtype=np.int64)
+                match = tokens[torch.from_numpy(has_draft)].cpu().numpy() == draft_tok
+                finished_here[has_draft[~match]] = True
+            finished_here[active[counts[active] == j]] = True  # the bonus position
             token_list = tokens.tolist()
             if raw is not None:
                 asked = np.array([i for i in active if i in logprob_local], dtype=np.int64)
@@ -113,13 +97,3 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
             if count:
                 del outputs[r][-count:]
     return DraftVerification(tokens=emitted, logprobs=lps)
-
-
-def _reject(sampler: Sampler, processed: torch.Tensor, local: np.ndarray, drafts: np.ndarray, rows: slice) -> np.ndarray:
-    """True where draft ``d`` is rejected: u >= p(d), with u from the accept stream."""
-    index = torch.from_numpy(local).to(processed.device)
-    sub = processed.index_select(0, index)
-    log_p = sub.gather(1, torch.from_numpy(drafts).to(sub.device).unsqueeze(1)).squeeze(1) - torch.logsumexp(sub, dim=-1)
-    base = sampler.random_base(local + rows.start, SALT_ACCEPT).to(processed.device)
-    u = uniform(base, torch.from_numpy(drafts).to(processed.device))
-    return (u >= log_p.exp()).cpu().numpy()
