@@ -60,8 +60,8 @@ def test_greedy_with_spec_equals_without(reference_outputs, k):
 def test_random_sampling_with_spec_equals_without(k):
     """Coupled verification: each position's token is the one sampled without speculation."""
     params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=40, ignore_eos=True, repetition_penalty=r)
-              for t, p, s, r in [(0.7, 1.0, 1, 1.0), (1.0, 0.9, None, 1.2), (0.4, 0.95, 7, 1.0),
-                                 (1.3, 1.0, None, 1.0), (0.9, 0.8, 3, 1.1)]]
+              for t, p, s, r in [(0.2, 1.0, 1, 1.0), (0.3, 0.9, None, 1.0), (0.1, 0.95, 7, 1.0),
+                                 (0.25, 1.0, None, 1.0), (0.9, 0.8, 3, 1.1)]]
     plain = LocalEngine(BASE).generate(PROMPTS, params)
     spec = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": k}, "cluster": {"num_workers": 2}})
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
