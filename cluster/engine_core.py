@@ -41,6 +41,7 @@ class EngineCore:
         self.placement = create_worker_placement(self.config, self.timeout_s)
         self.workers, num_blocks = self._start_workers()
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
+        logger.info("%s", self.coordinator.kv_summary())
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         self._compile()
         self.lock = threading.Condition()
@@ -167,6 +168,8 @@ class EngineCore:
                 "spec_acceptance": m.spec_acceptance,
                 "step_overhead_ms_median": overhead[len(overhead) // 2] if overhead else None,
                 "recoveries": self.recoveries,
+                **self.coordinator.kv_stats(),
+                "kv_cache": self.coordinator.kv_summary(),
                 "error": self.fatal,
             }
 

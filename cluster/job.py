@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from cluster.config import ConfigError, RaysampleConfig, load_config
-from coordinator.request import RequestOutput
+from coordinator.request import CompletionOutput, RequestOutput
 from processors import SamplingParams
 
 logger = logging.getLogger("raysample.job")
@@ -60,7 +60,8 @@ class LocalBackend:
 
     def stats(self) -> dict[str, Any]:
         m = self.engine.coordinator.metrics
-        return {"spec_acceptance": m.spec_acceptance, "generated_tokens": m.generated_tokens}
+        return {"spec_acceptance": m.spec_acceptance, "generated_tokens": m.generated_tokens,
+                **self.engine.coordinator.kv_stats(), "kv_cache": self.engine.coordinator.kv_summary()}
 
     def shutdown(self) -> None:
         pass
@@ -117,22 +118,28 @@ def parse_line(line: str, defaults: dict[str, Any]) -> tuple[Any, str | list[int
         raise BadLine(f"invalid sampling_params: {exc}") from None
 
 
-def result_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
+def completion_record(completion: CompletionOutput) -> dict[str, Any]:
     record: dict[str, Any] = {
-        "id": rid,
-        "text": out.text,
-        "token_ids": out.token_ids,
-        "finish_reason": out.finish_reason.value if out.finish_reason else None,
-        "stop_reason": out.stop_reason,
-        "error": out.error,
-        "prompt_tokens": len(out.prompt_token_ids),
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+        "stop_reason": completion.stop_reason,
     }
-    if out.logprobs is not None:
+    if completion.logprobs is not None:
         record["logprobs"] = [
             {"token_id": lp.sampled_token_id, "logprob": lp.sampled_logprob, "rank": lp.sampled_rank,
              "top": [[t, v] for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
-            for lp in out.logprobs
+            for lp in completion.logprobs
         ]
+    return record
+
+
+def result_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
+    """The first completion's fields at the top level; with n > 1 every completion under ``outputs``."""
+    record: dict[str, Any] = {"id": rid, **completion_record(out.outputs[0]), "error": out.error,
+                              "prompt_tokens": len(out.prompt_token_ids)}
+    if len(out.outputs) > 1:
+        record["outputs"] = [{"index": c.index, **completion_record(c)} for c in out.outputs]
     end = out.finished_time or time.monotonic()
     record["timing"] = {
         "first_token_s": None if out.first_token_time is None else round(out.first_token_time - out.arrival_time, 4),
@@ -329,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raysample: the engine could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     try:
+        print(f"[raysample] {backend.stats()['kv_cache']}", flush=True)
         counters = run_job(config, backend, args.input, args.output,
                            args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every)
         stats = backend.stats()

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import logging
+
 import torch
 
 from cluster.audit import check_consistency
@@ -19,6 +21,8 @@ from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 from workers.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -39,6 +43,7 @@ class LocalEngine:
         ]
         num_blocks = min(w.runner.num_blocks for w in self.workers)
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
+        logger.info("%s", self.coordinator.kv_summary())
 
     @property
     def tokenizer(self) -> Any:

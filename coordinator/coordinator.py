@@ -214,6 +214,24 @@ class Coordinator:
         self._pending_outputs[request_id] = group
         return True
 
+    def kv_summary(self) -> str:
+        """One line on the KV cache and the concurrency it allows (logged at start-up)."""
+        blocks, size = self.kv.pools[0].num_blocks, self.kv.block_size
+        per_seq = self.kv.blocks_for(self.model.max_model_len)
+        workers = len(self.kv.pools)
+        return (f"KV cache: {blocks} blocks of {size} tokens on each of {workers} worker(s) = "
+                f"{blocks * size * workers} tokens; {blocks // per_seq * workers} sequences of "
+                f"max_model_len={self.model.max_model_len} at once, more when shorter "
+                f"(max_num_seqs={self.batch.max_num_reqs}); prefix caching "
+                f"{'on' if self.kv.prefix_caching else 'off'}")
+
+    def kv_stats(self) -> dict[str, Any]:
+        return {
+            "kv_usage": self.kv.usage(),
+            "prefix_hit_tokens": self.kv.hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting) or self.batch.num_reqs > 0 or bool(self._to_remove)
 
