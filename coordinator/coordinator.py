@@ -40,6 +40,7 @@ class EngineMetrics:
     generated_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    prefill_tokens: int = 0  # tokens computed for prompts (and recomputed outputs), not decode tokens
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -346,6 +347,8 @@ class Coordinator:
     def _mark_prompts_ready(self, decision: StepSchedule) -> None:
         for rid, count in decision.num_tokens.items():
             request = self.rows[rid]
+            if decision.start[rid] + 1 < request.num_tokens:
+                self.metrics.prefill_tokens += count
             if request.child_index == 0 and decision.start[rid] + count >= len(request.prompt_token_ids):
                 request.group.prompt_ready = True
                 if request.group.owner is None:

@@ -56,6 +56,21 @@ def test_greedy_matches_eager_generate(model_type):
         assert out.token_ids == eager_greedy(path, prompt), (model_type, len(prompt))
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "mistral", "qwen2"])
+def test_shared_prefix_blocks_match_eager_generate(model_type):
+    """Prompts sharing 24 tokens: decode reads the shared blocks once for every row (prefix cache hits)."""
+    path = build_arch_model(model_type)
+    engine = engine_for(path)
+    rng = random.Random(11)
+    prefix = [rng.randrange(5, 512) for _ in range(24)]
+    shared = [prefix + [rng.randrange(5, 512) for _ in range(n)] for n in (1, 5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = engine.generate(shared, params)
+    assert engine.coordinator.kv.hit_tokens > 0
+    for prompt, out in zip(shared, outputs):
+        assert out.token_ids == eager_greedy(path, prompt), (model_type, len(prompt))
+
+
 @pytest.mark.parametrize(("model_type", "disabled"), [
     ("mistral", {"sliding_window": None}),
     ("gemma2", {"attn_logit_softcapping": None}),

@@ -164,54 +164,88 @@ class ModelRunner:
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
 
     def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],
-                     positions: list[int]) -> BlockMajorDecode | None:
-        """Block-major decode attention: in place when the rows' blocks are distinct and dense in their
-        range, else on a compact copy of them."""
+                     positions: list[int]) -> BlockMajorDecode:
+        """Block-major decode attention metadata.
+
+        Blocks read by one row are used in place when they lie densely in their range, else
+        copied next to each other once; blocks read by several rows (a shared prefix, n > 1
+        siblings) are copied once and met by every reader's query in one batched product.
+        """
         bs = self.block_size
         tables = [rows[i].block_table[: rows[i].start_pos // bs + 1] for i, _, _ in members]
-        counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+        num_rows = len(tables)
+        counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_rows)
         used = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=int(counts.sum()))
-        lo, hi = int(used.min()), int(used.max()) + 1
-        width = int(counts.max())
-        gather = None
-        if np.unique(used).size != used.size or hi - lo > 3 * used.size:
-            # Shared or scattered blocks: copy each row's blocks next to each other once, plus one
-            # block whose keys are all masked for the padding.
-            gather = np.append(used, used[0])
-            lo, hi, used = 0, gather.size, np.arange(used.size)
-        elif (hi - lo) == used.size and width > int(counts.min()):  # padding needs an unowned block
-            if hi < self.num_blocks:
-                hi += 1
-            elif lo > 0:
-                lo -= 1
-            else:
-                gather = np.append(used, used[0])
-                lo, hi, used = 0, gather.size, np.arange(used.size)
-        span = hi - lo
-        row_index = np.repeat(np.arange(len(tables)), counts)
-        block_index = np.concatenate([np.arange(c) for c in counts])
-        local = used - lo
-        row_of_block = np.zeros(span, dtype=np.int64)
-        row_of_block[local] = row_index
-        key_pos = np.full((span, bs), -1, dtype=np.int64)
-        key_pos[local] = block_index[:, None] * bs + np.arange(bs)
+        pair_row = np.repeat(np.arange(num_rows), counts)
+        pair_index = np.concatenate([np.arange(c) for c in counts])  # j: the block's place in its row
         query = np.array([positions[offset] for _, offset, _ in members], dtype=np.int64)
-        query_pos = np.zeros((span, 1), dtype=np.int64)
-        query_pos[local, 0] = query[row_index]
-        owned = np.zeros(span, dtype=bool)
-        owned[local] = True
-        idle = int(np.flatnonzero(~owned)[0]) if not owned.all() else 0
-        row_blocks = np.full((len(tables), width), idle, dtype=np.int64)
-        row_blocks[row_index, block_index] = local
+        distinct, inverse, users = np.unique(used, return_inverse=True, return_counts=True)
+        shared_pair = users[inverse] > 1
+        width = int(counts.max())
+
+        # Blocks read by one row: entries 0..span-1, in place or compact.
+        own = used[~shared_pair]
+        gather = None
+        if own.size == 0:
+            lo = hi = 0
+        else:
+            lo, hi = int(own.min()), int(own.max()) + 1
+            if hi - lo > 3 * own.size:
+                gather, lo, hi = own, 0, own.size
+        local = own - lo if gather is None else np.arange(own.size)
+        shared = distinct[users > 1]
+        lanes = int(users.max()) + 1 if shared.size else 0  # one spare lane: a masked entry for padding
+        pad_entry = None
+        if shared.size:
+            pad_entry = (hi - lo) + lanes - 1
+        else:
+            owned = np.zeros(hi - lo, dtype=bool)
+            owned[local] = True
+            if not owned.all():
+                pad_entry = int(np.flatnonzero(~owned)[0])
+            elif width == int(counts.min()):
+                pad_entry = 0  # no padding needed
+            elif gather is None and hi < self.num_blocks:
+                hi += 1
+                pad_entry = hi - lo - 1
+            else:  # every entry is real: append a copy of one block, masked, for the padding
+                gather = np.append(own if gather is not None else np.arange(lo, hi), own[0])
+                lo, hi = 0, gather.size
+                pad_entry = hi - 1
+        span = hi - lo
+        entries = span + shared.size * lanes
+        entry_of_pair = np.empty(used.size, dtype=np.int64)
+        entry_of_pair[~shared_pair] = local
+        lane_rows = None
+        if shared.size:
+            shared_index = np.searchsorted(shared, used[shared_pair])
+            order = np.argsort(shared_index, kind="stable")
+            sorted_index = shared_index[order]
+            first = np.searchsorted(sorted_index, sorted_index)  # start of each block's run
+            lane = np.empty_like(shared_index)
+            lane[order] = np.arange(sorted_index.size) - first
+            entry_of_pair[shared_pair] = span + shared_index * lanes + lane
+            lane_rows = np.full((shared.size, lanes), num_rows, dtype=np.int64)
+            lane_rows[shared_index, lane] = pair_row[shared_pair]
+        row_of_block = np.zeros(span, dtype=np.int64)
+        row_of_block[local] = pair_row[~shared_pair]
+        key_pos = np.full((entries, bs), -1, dtype=np.int64)
+        key_pos[entry_of_pair] = pair_index[:, None] * bs + np.arange(bs)
+        query_pos = np.zeros((entries, 1), dtype=np.int64)
+        query_pos[entry_of_pair, 0] = query[pair_row]
+        row_blocks = np.full((num_rows, width), pad_entry if pad_entry is not None else 0, dtype=np.int64)
+        row_blocks[pair_row, pair_index] = entry_of_pair
         device = self.device
+
+        def tensor(array: np.ndarray | None) -> torch.Tensor | None:
+            return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
         return BlockMajorDecode(
-            lo=lo, hi=hi,
-            gather=None if gather is None else torch.from_numpy(gather).to(device),
+            lo=lo, hi=hi, gather=tensor(gather),
             tokens=torch.tensor([offset for _, offset, _ in members], dtype=torch.long, device=device),
-            row_of_block=torch.from_numpy(row_of_block).to(device),
-            row_blocks=torch.from_numpy(row_blocks).to(device),
-            key_pos=torch.from_numpy(key_pos).to(device),
-            query_pos=torch.from_numpy(query_pos).to(device),
+            row_of_block=tensor(row_of_block), row_blocks=tensor(row_blocks),
+            key_pos=tensor(key_pos), query_pos=tensor(query_pos),
+            shared_blocks=tensor(shared) if shared.size else None, lane_rows=tensor(lane_rows),
         )
 
     def _group(self, rows: list[RowWork], members: list[tuple[int, int, int]], pos_t: torch.Tensor) -> AttentionGroup:

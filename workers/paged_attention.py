@@ -101,13 +101,17 @@ class BlockMajorDecode:
     gather: torch.Tensor | None  # blocks to copy into a compact range first (then lo = 0, hi = len)
     tokens: torch.Tensor  # (rows,) packed index of each row's query
     row_of_block: torch.Tensor  # (hi - lo,) row owning each block, 0 for unowned (masked)
-    row_blocks: torch.Tensor  # (rows, blocks_per_row) block - lo of each row; padding: an unowned block
-    key_pos: torch.Tensor  # (hi - lo, block_size) absolute key positions; -1 for unowned blocks
-    query_pos: torch.Tensor  # (hi - lo, 1) position of the owning row's query
+    # Entries: the hi - lo blocks of the range, then ``lanes`` entries per shared block (one per row
+    # reading it; padding lanes are masked). A row's j-th block is entry row_blocks[row, j].
+    row_blocks: torch.Tensor  # (rows, blocks_per_row); padding: a masked entry
+    key_pos: torch.Tensor  # (entries, block_size) absolute key positions; -1 where masked
+    query_pos: torch.Tensor  # (entries, 1) position of the entry's row's query
+    shared_blocks: torch.Tensor | None = None  # (S,) pool blocks read by several rows
+    lane_rows: torch.Tensor | None = None  # (S, lanes) row of each lane; ``rows`` (a zero query) for padding
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """Additive ``(hi - lo, 1, 1, block_size)``."""
+        """Additive ``(entries, 1, 1, block_size)``."""
         if window not in self._masks:
             allowed = (self.key_pos >= 0) & (self.key_pos <= self.query_pos)
             if window is not None:
@@ -163,17 +167,30 @@ def _manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additiv
 def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         additive: torch.Tensor, scaling: float, softcap: float | None,
                         sinks: torch.Tensor | None) -> torch.Tensor:
-    """q ``(rows, kv, g, d)`` -> ``(rows, kv, g, d)``; eager semantics, K/V read in place.
+    """q ``(rows, kv, g, d)`` -> ``(rows, kv, g, d)``; eager semantics, K/V read where they lie.
 
-    Padding in ``row_blocks`` points at a block of the range that no row owns (fully masked),
-    so its probabilities are exactly zero and it adds nothing.
+    Padding in ``row_blocks`` points at a fully masked entry, so its probabilities are exactly
+    zero and it adds nothing.
     """
+    rows, kv, groups, dim = q.shape
     if dec.gather is not None:
         k_blocks, v_blocks = k_pool.index_select(0, dec.gather), v_pool.index_select(0, dec.gather)
     else:
         k_blocks, v_blocks = k_pool[dec.lo : dec.hi], v_pool[dec.lo : dec.hi]
-    qb = q.index_select(0, dec.row_of_block).to(k_pool.dtype)  # (B, kv, g, d)
-    scores = torch.matmul(qb, k_blocks.transpose(-1, -2)).float().mul_(scaling)  # (B, kv, g, bs)
+    q = q.to(k_pool.dtype)
+    scores = torch.matmul(q.index_select(0, dec.row_of_block), k_blocks.transpose(-1, -2))  # (B, kv, g, bs)
+    if dec.shared_blocks is not None:
+        # Each shared block once, against the queries of every row reading it: (S, kv, lanes * g, d).
+        shared, lanes = dec.lane_rows.shape
+        k_shared = k_pool.index_select(0, dec.shared_blocks)
+        v_shared = v_pool.index_select(0, dec.shared_blocks)
+        q_lanes = torch.cat([q, q.new_zeros(1, kv, groups, dim)])[dec.lane_rows]  # (S, lanes, kv, g, d)
+        q_lanes = q_lanes.transpose(1, 2).reshape(shared, kv, lanes * groups, dim)
+        lane_scores = torch.matmul(q_lanes, k_shared.transpose(-1, -2))  # (S, kv, lanes * g, bs)
+        lane_scores = lane_scores.view(shared, kv, lanes, groups, -1).transpose(1, 2).reshape(-1, kv, groups,
+                                                                                              scores.shape[-1])
+        scores = torch.cat([scores, lane_scores])
+    scores = scores.float().mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores.add_(additive)
@@ -181,17 +198,24 @@ def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Te
     per_row = scores[dec.row_blocks]  # (rows, blocks, kv, g, bs)
     top = per_row.amax(dim=(1, 4), keepdim=True)
     if sinks is not None:
-        sink = sinks.float().view(1, 1, *per_row.shape[2:4], 1)
+        sink = sinks.float().view(1, 1, kv, groups, 1)
         top = torch.maximum(top, sink)
     probs = per_row.sub_(top).exp_()
     total = probs.sum(dim=(1, 4), keepdim=True)
     if sinks is not None:
         total += (sink - top).exp()
     probs.div_(total)
-    by_block = torch.zeros_like(scores)
-    by_block[dec.row_blocks] = probs  # real blocks belong to one row each; padding writes zeros
-    out_blocks = torch.matmul(by_block.to(v_pool.dtype), v_blocks)  # (B, kv, g, d)
-    return out_blocks[dec.row_blocks].sum(dim=1)  # (rows, kv, g, d)
+    by_entry = torch.zeros_like(scores)
+    by_entry[dec.row_blocks] = probs  # each real entry belongs to one row; padding writes zeros
+    by_entry = by_entry.to(v_pool.dtype)
+    span = dec.hi - dec.lo
+    out = torch.matmul(by_entry[:span], v_blocks)  # (B, kv, g, d)
+    if dec.shared_blocks is not None:
+        lane_probs = by_entry[span:].view(shared, lanes, kv, groups, -1).transpose(1, 2)
+        lane_out = torch.matmul(lane_probs.reshape(shared, kv, lanes * groups, -1), v_shared)  # (S, kv, lanes*g, d)
+        lane_out = lane_out.view(shared, kv, lanes, groups, dim).transpose(1, 2).reshape(-1, kv, groups, dim)
+        out = torch.cat([out, lane_out])
+    return out[dec.row_blocks].sum(dim=1)  # (rows, kv, g, d)
 
 
 def paged_attention(
