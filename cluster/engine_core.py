@@ -39,8 +39,8 @@ class EngineCore:
         self.timeout_s = self.config.cluster.call_timeout_s
         model_path = self.config.model.resolve_path()
         self.placement = create_worker_placement(self.config, self.timeout_s)
-        self.workers, num_blocks = self._start_workers()
-        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
+        self.workers, (num_blocks, block_size) = self._start_workers()
+        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size)
         logger.info("%s", self.coordinator.kv_summary())
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         self._compile()
@@ -54,7 +54,7 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="raysample-step-loop", daemon=True)
         self._thread.start()
 
-    def _start_workers(self) -> tuple[dict[int, Any], int]:
+    def _start_workers(self) -> tuple[dict[int, Any], tuple[int, int]]:
         """Workers on their placement bundles, and the KV blocks every one of them holds."""
         from cluster.actors import WorkerActor
 
@@ -69,7 +69,10 @@ class EngineCore:
             ).remote(i, config, self.config.model.resolve_path())
         infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.timeout_s)
         logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
-        return workers, min(i.num_blocks for i in infos)
+        sizes = {i.block_size for i in infos}
+        if len(sizes) != 1:  # CPU and GPU workers mixed without cache.block_size
+            raise ValueError(f"workers chose different KV block sizes {sorted(sizes)}; set cache.block_size")
+        return workers, (min(i.num_blocks for i in infos), sizes.pop())
 
     def _compile(self) -> None:
         """One compiled graph (shared-memory channels) for the per-step fan-out, when enabled."""

@@ -42,7 +42,7 @@ class LocalEngine:
             for i in range(self.config.cluster.num_workers)
         ]
         num_blocks = min(w.runner.num_blocks for w in self.workers)
-        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks)
+        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, self.workers[0].runner.block_size)
         logger.info("%s", self.coordinator.kv_summary())
 
     @property

@@ -483,8 +483,8 @@ class Coordinator:
         )
 
 
-def coordinator_from_config(config: Any, model_path: str, num_blocks: int) -> Coordinator:
-    """Build from a ``RaysampleConfig`` (cluster.config) and the blocks each worker holds: no weights."""
+def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block_size: int) -> Coordinator:
+    """Build from a ``RaysampleConfig`` (cluster.config) and the KV blocks each worker holds: no weights."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -499,7 +499,7 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int) -> Co
         rows_per_worker=config.scheduler.slots_per_worker(),
         kv=KVSettings(
             num_blocks=num_blocks,
-            block_size=config.cache.block_size,
+            block_size=block_size,
             prefix_caching=config.cache.enable_prefix_caching,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         ),

@@ -100,6 +100,16 @@ def test_chunked_attention_layers_refused():
         check_model_config(AutoConfig.for_model("llama4_text"), max_model_len=128)
 
 
+@pytest.mark.parametrize(("feature", "message"), [
+    ({"num_kv_shared_layers": 4}, "KV sharing across layers"),
+    ({"alibi": True}, "ALiBi"),
+    ({"position_embedding_type": "alibi"}, "ALiBi"),
+])
+def test_declared_features_the_runner_lacks_are_refused(feature, message):
+    with pytest.raises(UnsupportedAttention, match=message):
+        check_model_config(arch_config("llama", **feature), max_model_len=128)
+
+
 @pytest.mark.parametrize("model_type", ["bloom", "mpt"])
 def test_models_that_bypass_the_attention_interface_are_refused(tmp_path, model_type):
     """ALiBi models ignore a custom attention function (transformers only warns): refused at load."""

@@ -31,6 +31,8 @@ from workers.paged_attention import (
 
 logger = logging.getLogger(__name__)
 
+MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
+
 
 @dataclass
 class RowWork:
@@ -54,6 +56,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
 
 
+def default_block_size(device: torch.device) -> int:
+    return 16 if device.type == "cuda" else 64
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a transformers config."""
     heads = config.num_attention_heads
@@ -67,7 +73,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str | Path, device: torch.device | str, dtype: str = "auto",
                  max_model_len: int | None = None, trust_remote_code: bool = False,
-                 prepack_cpu_weights: bool = True, block_size: int = 16,
+                 prepack_cpu_weights: bool = True, block_size: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_rows: int = 64, verify: bool = True) -> None:
         from transformers import AutoModelForCausalLM
@@ -90,8 +96,9 @@ class ModelRunner:
             ) from None
         self.model = model.to(self.device).eval()
         self.vocab_size = config.vocab_size
-        self.block_size = block_size
+        self.block_size = block_size or default_block_size(self.device)
         layers, kv_heads, head_dim = kv_geometry(config)
+        block_size = self.block_size
         per_block = PagedKVCache.bytes_per_block(layers, block_size, kv_heads, head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
         self.num_blocks = self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks)
@@ -152,7 +159,7 @@ class ModelRunner:
         short = [s for s in spans if 1 < s[2] <= SHORT_QUERY_LIMIT]
         decode = self._block_major(rows, single, positions) if single else None
         groups = [self._group(rows, members, pos_t) for members in ([] if decode else single, short) if members]
-        groups += [self._group(rows, [s], pos_t) for s in spans if s[2] > SHORT_QUERY_LIMIT]
+        groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
         step = PackedStep(
             cache=self.cache,
             write_block=torch.tensor(blocks, dtype=torch.long, device=device),
@@ -247,6 +254,20 @@ class ModelRunner:
             key_pos=tensor(key_pos), query_pos=tensor(query_pos),
             shared_blocks=tensor(shared) if shared.size else None, lane_rows=tensor(lane_rows),
         )
+
+    def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""
+        batches: list[list[tuple[int, int, int]]] = []
+        current: list[tuple[int, int, int]] = []
+        queries = keys = 0
+        for span in sorted((s for s in spans if s[2] > SHORT_QUERY_LIMIT), key=lambda s: s[2]):
+            q, k = max(queries, span[2]), max(keys, rows[span[0]].start_pos + span[2])
+            if current and (len(current) + 1) * q * k > MASK_LIMIT:
+                batches.append(current)
+                current, q, k = [], span[2], rows[span[0]].start_pos + span[2]
+            current.append(span)
+            queries, keys = q, k
+        return batches + ([current] if current else [])
 
     def _group(self, rows: list[RowWork], members: list[tuple[int, int, int]], pos_t: torch.Tensor) -> AttentionGroup:
         q_len = max(n for _, _, n in members)
