@@ -76,15 +76,24 @@ def start(name: str, **overrides) -> Engine:
     return Engine.from_config(base_config(cluster={"coordinator_name": name, **overrides.pop("cluster", {})}, **overrides))
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers):
-    engine = start(f"match-{workers}", cluster={"num_workers": workers})
+@pytest.mark.parametrize(("workers", "tight"), [(4, False), (2, True)])
+def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers, tight):
+    """Tight: 8 blocks of 8 tokens per worker (one sequence of max_model_len=64, every request fits
+    in it) for 2 rows each: requests are preempted and recomputed, with the audit every step."""
+    extra = {"model": {"max_model_len": 64}, "cache": {"block_size": 8, "kv_cache_memory": 8 * 2 * 2 * 8 * 2 * 16 * 4}}
+    engine = start(f"match-{workers}", cluster={"num_workers": workers}, **(extra if tight else {}))
     try:
         outputs = engine.generate(PROMPTS, workload())
         assert [o.token_ids for o in outputs] == in_process_reference
         stats = engine.stats()
         assert stats["workers_alive"] == workers and stats["error"] is None
         assert stats["steps"] > 20  # audited every step
+        assert (stats["preemptions"] > 0) == tight, stats
+        params = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+        pair = engine.generate("Hello", params)[0]
+        local = LocalEngine(base_config(cluster={"num_workers": 1})).generate("Hello", params)[0]
+        assert [c.token_ids for c in pair.outputs] == [c.token_ids for c in local.outputs]
+        assert pair.outputs[0].token_ids != pair.outputs[1].token_ids
     finally:
         engine.shutdown()
 
