@@ -157,15 +157,15 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long)
         single = [s for s in spans if s[2] == 1]
         short = [s for s in spans if 1 < s[2] <= SHORT_QUERY_LIMIT]
-        decode = self._block_major(rows, single, positions) if single else None
-        groups = [self._group(rows, members, pos_t) for members in ([] if decode else single, short) if members]
+        block_major = [self._block_major(rows, members, positions) for members in (single, short) if members]
+        groups: list[AttentionGroup] = []
         groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
         step = PackedStep(
             cache=self.cache,
             write_block=torch.tensor(blocks, dtype=torch.long, device=device),
             write_offset=torch.tensor(offsets, dtype=torch.long, device=device),
             groups=groups,
-            decode=decode,
+            block_major=block_major,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
@@ -179,13 +179,19 @@ class ModelRunner:
         siblings) are copied once and met by every reader's query in one batched product.
         """
         bs = self.block_size
-        tables = [rows[i].block_table[: rows[i].start_pos // bs + 1] for i, _, _ in members]
+        tables = [rows[i].block_table[: (rows[i].start_pos + n - 1) // bs + 1] for i, _, n in members]
         num_rows = len(tables)
         counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_rows)
         used = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=int(counts.sum()))
         pair_row = np.repeat(np.arange(num_rows), counts)
         pair_index = np.concatenate([np.arange(c) for c in counts])  # j: the block's place in its row
-        query = np.array([positions[offset] for _, offset, _ in members], dtype=np.int64)
+        q_len = max(n for _, _, n in members)
+        token_index = np.zeros((num_rows, q_len), dtype=np.int64)
+        query = np.full((num_rows, q_len), -1, dtype=np.int64)  # padding queries attend nothing
+        for r, (_, offset, n) in enumerate(members):
+            token_index[r, :n] = np.arange(offset, offset + n)
+            query[r, :n] = positions[offset : offset + n]
+        valid = (query >= 0).reshape(-1)
         distinct, inverse, users = np.unique(used, return_inverse=True, return_counts=True)
         shared_pair = users[inverse] > 1
         width = int(counts.max())
@@ -238,8 +244,8 @@ class ModelRunner:
         row_of_block[local] = pair_row[~shared_pair]
         key_pos = np.full((entries, bs), -1, dtype=np.int64)
         key_pos[entry_of_pair] = pair_index[:, None] * bs + np.arange(bs)
-        query_pos = np.zeros((entries, 1), dtype=np.int64)
-        query_pos[entry_of_pair, 0] = query[pair_row]
+        query_pos = np.full((entries, q_len), -1, dtype=np.int64)
+        query_pos[entry_of_pair] = query[pair_row]
         row_blocks = np.full((num_rows, width), pad_entry if pad_entry is not None else 0, dtype=np.int64)
         row_blocks[pair_row, pair_index] = entry_of_pair
         device = self.device
@@ -249,7 +255,8 @@ class ModelRunner:
 
         return BlockMajorDecode(
             lo=lo, hi=hi, gather=tensor(gather),
-            tokens=torch.tensor([offset for _, offset, _ in members], dtype=torch.long, device=device),
+            q_len=q_len, token_index=tensor(token_index), tokens=tensor(token_index.reshape(-1)[valid]),
+            valid_flat=tensor(np.flatnonzero(valid)),
             row_of_block=tensor(row_of_block), row_blocks=tensor(row_blocks),
             key_pos=tensor(key_pos), query_pos=tensor(query_pos),
             shared_blocks=tensor(shared) if shared.size else None, lane_rows=tensor(lane_rows),

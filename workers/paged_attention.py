@@ -88,36 +88,40 @@ class AttentionGroup:
 
 @dataclass
 class BlockMajorDecode:
-    """One-token rows whose blocks are all distinct, attended block by block in place.
+    """Rows of up to ``q_len`` queries (decode, draft verification), attended block by block.
 
-    Scores are computed for every block in ``[lo, hi)`` against the query of the row that owns
+    Scores are computed for every block in ``[lo, hi)`` against the queries of the row that owns
     it (unowned blocks are masked), then gathered per row for the softmax; the probabilities go
-    back to their blocks to multiply V in place. Only scores and per-block outputs are gathered,
-    never K/V.
+    back to their blocks to multiply V where it lies. Only scores and per-block outputs are
+    gathered, never K/V (except one compact copy when blocks are scattered).
     """
 
     lo: int
     hi: int
     gather: torch.Tensor | None  # blocks to copy into a compact range first (then lo = 0, hi = len)
-    tokens: torch.Tensor  # (rows,) packed index of each row's query
+    q_len: int
+    token_index: torch.Tensor  # (rows, q_len) packed index of each query (padding: 0)
+    tokens: torch.Tensor  # (n_valid,) packed indices of the real queries, row-major
+    valid_flat: torch.Tensor  # (n_valid,) their positions in rows * q_len
     row_of_block: torch.Tensor  # (hi - lo,) row owning each block, 0 for unowned (masked)
     # Entries: the hi - lo blocks of the range, then ``lanes`` entries per shared block (one per row
     # reading it; padding lanes are masked). A row's j-th block is entry row_blocks[row, j].
     row_blocks: torch.Tensor  # (rows, blocks_per_row); padding: a masked entry
     key_pos: torch.Tensor  # (entries, block_size) absolute key positions; -1 where masked
-    query_pos: torch.Tensor  # (entries, 1) position of the entry's row's query
+    query_pos: torch.Tensor  # (entries, q_len) positions of the entry's row's queries; -1 for padding
     shared_blocks: torch.Tensor | None = None  # (S,) pool blocks read by several rows
     lane_rows: torch.Tensor | None = None  # (S, lanes) row of each lane; ``rows`` (a zero query) for padding
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """Additive ``(entries, 1, 1, block_size)``."""
+        """Additive ``(entries, 1, q_len, 1, block_size)``."""
         if window not in self._masks:
-            allowed = (self.key_pos >= 0) & (self.key_pos <= self.query_pos)
+            keys, queries = self.key_pos.unsqueeze(1), self.query_pos.unsqueeze(2)  # (E, 1, bs), (E, q, 1)
+            allowed = (keys >= 0) & (keys <= queries)
             if window is not None:
-                allowed &= self.key_pos > self.query_pos - window
+                allowed &= keys > queries - window
             additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            self._masks[window] = additive.masked_fill_(~allowed, _MASKED)[:, None, None, :]
+            self._masks[window] = additive.masked_fill_(~allowed, _MASKED)[:, None, :, None, :]
         return self._masks[window]
 
 
@@ -129,7 +133,7 @@ class PackedStep:
     write_block: torch.Tensor  # (N,)
     write_offset: torch.Tensor  # (N,)
     groups: list[AttentionGroup]
-    decode: BlockMajorDecode | None = None
+    block_major: list[BlockMajorDecode] = field(default_factory=list)
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
 
@@ -167,38 +171,40 @@ def _manual_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additiv
 def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         additive: torch.Tensor, scaling: float, softcap: float | None,
                         sinks: torch.Tensor | None) -> torch.Tensor:
-    """q ``(rows, kv, g, d)`` -> ``(rows, kv, g, d)``; eager semantics, K/V read where they lie.
+    """q ``(rows, kv, G, d)`` with ``G = q_len * g`` (query-major) -> ``(rows, kv, G, d)``.
 
-    Padding in ``row_blocks`` points at a fully masked entry, so its probabilities are exactly
-    zero and it adds nothing.
+    Eager semantics, K/V read where they lie. Padding in ``row_blocks`` points at a fully masked
+    entry, so its probabilities are exactly zero and it adds nothing.
     """
-    rows, kv, groups, dim = q.shape
+    rows, kv, width, dim = q.shape
     if dec.gather is not None:
         k_blocks, v_blocks = k_pool.index_select(0, dec.gather), v_pool.index_select(0, dec.gather)
     else:
         k_blocks, v_blocks = k_pool[dec.lo : dec.hi], v_pool[dec.lo : dec.hi]
     q = q.to(k_pool.dtype)
-    scores = torch.matmul(q.index_select(0, dec.row_of_block), k_blocks.transpose(-1, -2))  # (B, kv, g, bs)
+    scores = torch.matmul(q.index_select(0, dec.row_of_block), k_blocks.transpose(-1, -2))  # (B, kv, G, bs)
     if dec.shared_blocks is not None:
-        # Each shared block once, against the queries of every row reading it: (S, kv, lanes * g, d).
+        # Each shared block once, against the queries of every row reading it: (S, kv, lanes * G, d).
         shared, lanes = dec.lane_rows.shape
         k_shared = k_pool.index_select(0, dec.shared_blocks)
         v_shared = v_pool.index_select(0, dec.shared_blocks)
-        q_lanes = torch.cat([q, q.new_zeros(1, kv, groups, dim)])[dec.lane_rows]  # (S, lanes, kv, g, d)
-        q_lanes = q_lanes.transpose(1, 2).reshape(shared, kv, lanes * groups, dim)
-        lane_scores = torch.matmul(q_lanes, k_shared.transpose(-1, -2))  # (S, kv, lanes * g, bs)
-        lane_scores = lane_scores.view(shared, kv, lanes, groups, -1).transpose(1, 2).reshape(-1, kv, groups,
-                                                                                              scores.shape[-1])
+        q_lanes = torch.cat([q, q.new_zeros(1, kv, width, dim)])[dec.lane_rows]  # (S, lanes, kv, G, d)
+        q_lanes = q_lanes.transpose(1, 2).reshape(shared, kv, lanes * width, dim)
+        lane_scores = torch.matmul(q_lanes, k_shared.transpose(-1, -2))  # (S, kv, lanes * G, bs)
+        lane_scores = lane_scores.view(shared, kv, lanes, width, -1).transpose(1, 2).reshape(-1, kv, width,
+                                                                                             scores.shape[-1])
         scores = torch.cat([scores, lane_scores])
+    entries, block_size = scores.shape[0], scores.shape[-1]
     scores = scores.float().mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores.add_(additive)
+    scores.view(entries, kv, dec.q_len, -1, block_size).add_(additive)
     # Softmax over each row's (blocks, offsets) without moving them next to each other.
-    per_row = scores[dec.row_blocks]  # (rows, blocks, kv, g, bs)
+    per_row = scores[dec.row_blocks]  # (rows, blocks, kv, G, bs)
     top = per_row.amax(dim=(1, 4), keepdim=True)
     if sinks is not None:
-        sink = sinks.float().view(1, 1, kv, groups, 1)
+        groups = width // dec.q_len
+        sink = sinks.float().view(kv, 1, groups).expand(kv, dec.q_len, groups).reshape(1, 1, kv, width, 1)
         top = torch.maximum(top, sink)
     probs = per_row.sub_(top).exp_()
     total = probs.sum(dim=(1, 4), keepdim=True)
@@ -209,13 +215,13 @@ def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Te
     by_entry[dec.row_blocks] = probs  # each real entry belongs to one row; padding writes zeros
     by_entry = by_entry.to(v_pool.dtype)
     span = dec.hi - dec.lo
-    out = torch.matmul(by_entry[:span], v_blocks)  # (B, kv, g, d)
+    out = torch.matmul(by_entry[:span], v_blocks)  # (B, kv, G, d)
     if dec.shared_blocks is not None:
-        lane_probs = by_entry[span:].view(shared, lanes, kv, groups, -1).transpose(1, 2)
-        lane_out = torch.matmul(lane_probs.reshape(shared, kv, lanes * groups, -1), v_shared)  # (S, kv, lanes*g, d)
-        lane_out = lane_out.view(shared, kv, lanes, groups, dim).transpose(1, 2).reshape(-1, kv, groups, dim)
+        lane_probs = by_entry[span:].view(shared, lanes, kv, width, -1).transpose(1, 2)
+        lane_out = torch.matmul(lane_probs.reshape(shared, kv, lanes * width, -1), v_shared)  # (S, kv, lanes*G, d)
+        lane_out = lane_out.view(shared, kv, lanes, width, dim).transpose(1, 2).reshape(-1, kv, width, dim)
         out = torch.cat([out, lane_out])
-    return out[dec.row_blocks].sum(dim=1)  # (rows, kv, g, d)
+    return out[dec.row_blocks].sum(dim=1)  # (rows, kv, G, d)
 
 
 def paged_attention(
@@ -255,11 +261,13 @@ def paged_attention(
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(n_tokens, heads, head_dim)
     q_all = query[0].transpose(0, 1)  # (N, heads, head_dim)
-    if packed_step.decode is not None:
-        dec = packed_step.decode
-        q = q_all[dec.tokens].view(-1, kv_heads, groups_per_kv, head_dim)
+    for dec in packed_step.block_major:
+        rows = dec.token_index.shape[0]
+        q = q_all[dec.token_index].view(rows, dec.q_len, kv_heads, groups_per_kv, head_dim)
+        q = q.transpose(1, 2).reshape(rows, kv_heads, dec.q_len * groups_per_kv, head_dim)
         attn = _block_major_decode(dec, q, k_pool, v_pool, dec.mask(window), scale, softcap, s_aux)
-        out[dec.tokens] = attn.reshape(-1, heads, head_dim).to(out.dtype)
+        attn = attn.view(rows, kv_heads, dec.q_len, groups_per_kv, head_dim).transpose(1, 2)
+        out[dec.tokens] = attn.reshape(-1, heads, head_dim)[dec.valid_flat].to(out.dtype)
     for group in packed_step.groups:
         # (rows * blocks, kv, bs, d) -> (kv, rows, L, d): one block-wise gather per group and layer.
         rows, blocks = group.rows, group.key_len // cache.block_size
