@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from coordinator.plan import StepPlan, StepResult
-from workers.mirror import BatchMirror, MirrorRow
+from workers.mirror import BatchMirror
 from workers.model_runner import ModelRunner, RowWork
 from workers.rejection import verify_drafts
 from workers.sampler import Sampler
