@@ -35,6 +35,8 @@ def _shard_select(
 class MinPLogitsProcessor(LogitsProcessor):
     """Drops tokens whose probability is below ``min_p`` times the row's top probability."""
 
+    supports_spec_decode = True  # its state does not depend on the output lists: drafts change nothing
+
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = torch.device(device)
@@ -110,6 +112,8 @@ class MinPLogitsProcessor(LogitsProcessor):
 class LogitBiasLogitsProcessor(LogitsProcessor):
     """Adds ``SamplingParams.logit_bias`` to the given tokens of each row."""
 
+    supports_spec_decode = True  # its state does not depend on the output lists: drafts change nothing
+
     def __init__(self, _: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.device = torch.device(device)
         self.pin_memory = is_pin_memory
@@ -153,6 +157,8 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
 
 class MinTokensLogitsProcessor(LogitsProcessor):
     """Masks every stop token (EOS included) until a request has ``min_tokens`` outputs."""
+
+    supports_spec_decode = True  # reads live output lengths in apply: exact at every draft position
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.device = torch.device(device)

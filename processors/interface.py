@@ -81,7 +81,29 @@ class LogitsProcessor(ABC):
     - ``state_digest() -> bytes``: a deterministic digest of the per-row state;
       replicas on different workers must produce equal digests. Used by the
       consistency audit.
+
+    Speculative decoding (n-gram drafts verified in one forward): at draft
+    position ``j`` the output lists hold drafts ``0..j-1`` and
+    ``update_state(None)`` has been called since they were appended. After
+    verification the engine restores the processor to its state from before
+    the drafts (a copy taken with the live output lists shared, not copied), so
+    a processor whose state is derived from the lists in ``update_state`` is
+    exact, including one that deletes entries as lists grow, like vLLM's
+    ``MinTokensLogitsProcessor``. Two class attributes change this:
+
+    - ``supports_spec_decode = True``: the processor handles drafts itself; it is
+      not copied, and gets ``update_state(None)`` after rejected drafts are
+      removed instead.
+    - ``incremental_state = True``: its state counts calls or tokens as they come
+      (not a function of the lists), so no copy can make it exact: speculative
+      decoding is refused at start-up with it unless it also supports it.
+
+    A processor whose state cannot be deep-copied is refused with speculative
+    decoding too.
     """
+
+    supports_spec_decode: bool = False
+    incremental_state: bool = False
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:

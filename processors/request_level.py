@@ -58,6 +58,10 @@ class RequestLevelAdapter(AdapterLogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return self.argmax_invariant
 
+    def spec_shared_objects(self) -> tuple[Any, ...]:
+        """Shared by every request's callable: never copied with the processor's state."""
+        return (_load_tokenizer(self.tokenizer_path),) if self.tokenizer_arg and self.tokenizer_path else ()
+
     def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
         setting = (params.extra_args or {}).get(self.enable_with)
         if setting is None or setting is False:

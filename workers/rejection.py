@@ -1,9 +1,11 @@
 """Verifying n-gram drafts: every stage per draft position, then rejection sampling.
 
 Position ``j`` of a row is processed with its drafts ``d1..dj`` appended to
-the row's output list (and removed afterwards), so every processor that
-reads output ids (penalties, bad words, min tokens, custom ones, the
-thinking budget) sees exactly what it would see without speculation.
+the row's output list and ``update_state(None)`` called since, so every
+processor that reads output ids (penalties, bad words, min tokens, custom
+ones, the thinking budget) sees exactly what it would see without
+speculation. Afterwards the drafts are removed and each processor is put back
+as it was before them (``Sampler.draft_restore``).
 
 Every row samples position ``j`` exactly as it would without speculation:
 greedy rows take the argmax, random rows the counter-based sample keyed by
@@ -54,6 +56,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
     lps: list[list[TokenLogprobs] | None] = [[] if i in logprob_local else None for i in range(n)]
     done = np.zeros(n, dtype=bool)
     appended = [0] * sampler.batch_size
+    snapshots = sampler.draft_snapshot() if any(drafts) else []
     try:
         for j in range(int(counts.max(initial=0)) + 1):
             if j > 0:
@@ -61,6 +64,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
                     if j - 1 < len(row_drafts):
                         outputs[r].append(row_drafts[j - 1])
                         appended[r] += 1
+                sampler.drafts_appended()
             active = np.flatnonzero(~done & (j <= counts))
             if active.size == 0:
                 break
@@ -96,4 +100,6 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
         for r, count in enumerate(appended):
             if count:
                 del outputs[r][-count:]
+        if any(appended):
+            sampler.draft_restore(snapshots)
     return DraftVerification(tokens=emitted, logprobs=lps)

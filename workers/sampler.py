@@ -21,6 +21,8 @@ view whose other rows are filler.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +135,66 @@ class Sampler:
                 raise LogitsProcessorError(
                     f"Logits processor {processor_name(stage)} raised in update_state: {type(exc).__name__}: {exc}"
                 ) from exc
+
+    # ----- speculative decoding (see LogitsProcessor's docstring for the contract) -----
+
+    def _restored_under_drafts(self) -> list[LogitsProcessor]:
+        return [p for p in self.logitsprocs.all if not getattr(p, "supports_spec_decode", False)]
+
+    def check_spec_decode_support(self) -> None:
+        """Refuse, at start-up, processors that speculative decoding would make drift."""
+        for proc in self.logitsprocs.all:
+            name = processor_name(proc)
+            if getattr(proc, "incremental_state", False) and not getattr(proc, "supports_spec_decode", False):
+                raise ValueError(
+                    f"processor {name} declares incremental_state and not supports_spec_decode: it cannot stay "
+                    "exact under speculative decoding; remove the speculative section or derive its state "
+                    "from the output lists"
+                )
+        try:
+            self.draft_snapshot()
+        except Exception as exc:
+            raise ValueError(f"speculative decoding needs a copy of each processor's state: {exc}") from None
+
+    def draft_snapshot(self) -> list[tuple[LogitsProcessor, dict[str, Any]]]:
+        """Each processor's state before drafts are appended; live output lists are shared, not copied."""
+        memo_seed = {id(out): out for out in self.rows["output"] if out is not None}
+        snapshots = []
+        for proc in self._restored_under_drafts():
+            memo = dict(memo_seed)
+            for shared in getattr(proc, "spec_shared_objects", lambda: ())():
+                memo[id(shared)] = shared
+            try:
+                snapshots.append((proc, copy.deepcopy(proc.__dict__, memo)))
+            except Exception as exc:
+                raise LogitsProcessorError(
+                    f"Logits processor {processor_name(proc)} cannot be copied for speculative decoding: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        return snapshots
+
+    def draft_restore(self, snapshots: list[tuple[LogitsProcessor, dict[str, Any]]]) -> None:
+        """Drafts removed: copied processors go back to their snapshot, the others get ``update_state(None)``."""
+        for proc, state in snapshots:
+            proc.__dict__.clear()
+            proc.__dict__.update(state)
+        restored = {id(p) for p, _ in snapshots}
+        for stage in self.stages:
+            if id(stage) not in restored:
+                self._notify(stage)
+
+    def drafts_appended(self) -> None:
+        """Output lists grew by one draft position: ``update_state(None)`` for every stage."""
+        for stage in self.stages:
+            self._notify(stage)
+
+    def _notify(self, stage: LogitsProcessor) -> None:
+        try:
+            stage.update_state(None)
+        except Exception as exc:
+            raise LogitsProcessorError(
+                f"Logits processor {processor_name(stage)} raised in update_state: {type(exc).__name__}: {exc}"
+            ) from exc
 
     @property
     def batch_size(self) -> int:

@@ -64,7 +64,10 @@ class Worker:
 
             thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
             engine_config = config.engine_config(model_path, runner.vocab_size, runner.max_model_len)
-            return Sampler(engine_config, device, config.custom_processors(), thinking=thinking)
+            sampler = Sampler(engine_config, device, config.custom_processors(), thinking=thinking)
+            if config.speculative is not None:
+                sampler.check_spec_decode_support()
+            return sampler
 
         return cls(worker_id, runner, make_sampler(), make_sampler)
 
