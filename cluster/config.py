@@ -115,7 +115,7 @@ class ProcessorItem(_Section):
     ``AdapterLogitsProcessor`` for requests whose ``extra_args`` contain ``enable_with``.
     """
 
-    class_: str = Field(alias="class")
+    class_: Union[str, type] = Field(alias="class")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     request_level: bool = False
     enable_with: str | None = None
@@ -162,7 +162,10 @@ class RaysampleConfig(_Section):
     cluster: ClusterSettings = ClusterSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     cache: CacheSettings = CacheSettings()
-    processors: list[Union[str, ProcessorItem]] = Field(default_factory=list)
+    processors: list[Union[str, type, ProcessorItem]] = Field(default_factory=list)
+    # Load processors installed as plugins (entry-point groups vllm.logits_processors and
+    # raysample.logits_processors) on every engine, as vLLM does.
+    processors_from_entry_points: bool = True
     speculative: SpeculativeSettings | None = None
     reasoning: ReasoningSettings | None = None
     defaults: dict[str, Any] = Field(default_factory=dict)
@@ -175,8 +178,8 @@ class RaysampleConfig(_Section):
         SamplingParams.from_dict(value)  # raises ValueError naming the field
         return value
 
-    def custom_processors(self) -> list[str | ProcessorSpec]:
-        return [p if isinstance(p, str) else p.spec() for p in self.processors]
+    def custom_processors(self) -> list[str | type | ProcessorSpec]:
+        return [p.spec() if isinstance(p, ProcessorItem) else p for p in self.processors]
 
     def engine_config(self, model_path: str | None = None, vocab_size: int = 0, max_model_len: int = 0) -> EngineConfig:
         """What processor constructors receive (vLLM's ``VllmConfig`` attributes they read)."""

@@ -93,7 +93,8 @@ class Coordinator:
     def __init__(self, tokenizer: Any, model: ModelInfo, max_num_seqs: int, num_workers: int, rows_per_worker: int,
                  kv: KVSettings, seed: int = 0, custom_processors: Sequence[Any] = (),
                  consistency_check_every: int = 0, default_params: SamplingParams | None = None,
-                 drafter: NgramDrafter | None = None, reasoning_enabled: bool = False) -> None:
+                 drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
+                 processors_from_entry_points: bool = True) -> None:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.reasoning_enabled = reasoning_enabled
@@ -101,6 +102,7 @@ class Coordinator:
         self.model = model
         self.seed = seed
         self.custom_processors = tuple(custom_processors)
+        self.processors_from_entry_points = processors_from_entry_points
         self.consistency_check_every = consistency_check_every
         self.default_params = default_params or SamplingParams()
         self.kv = KVCacheManager(num_workers, kv.num_blocks, kv.block_size, kv.prefix_caching)
@@ -190,7 +192,7 @@ class Coordinator:
             params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
             Sampler.validate(params, vocab)
-            validate_logits_processors_parameters(self.custom_processors, params)
+            validate_logits_processors_parameters(self.custom_processors, params, self.processors_from_entry_points)
         except ValueError as exc:
             return str(exc)
         except Exception as exc:  # a custom validate_params that is not a ValueError
@@ -515,4 +517,5 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block
             config.speculative.prompt_lookup_max,
         ),
         reasoning_enabled=config.reasoning is not None,
+        processors_from_entry_points=config.processors_from_entry_points,
     )

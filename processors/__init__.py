@@ -23,6 +23,8 @@ from processors.interface import (
 )
 from processors.loading import (
     ENTRY_POINT_GROUP,
+    LOGITSPROCS_GROUP,
+    STR_POOLING_REJECTS_LOGITSPROCS,
     LogitsProcessorLoadError,
     ProcessorSpec,
     build_logitsprocs,
@@ -39,6 +41,9 @@ __all__ = [
     "BatchUpdateBuilder",
     "ENTRY_POINT_GROUP",
     "EngineConfig",
+    "LOGITSPROCS_GROUP",
+    "STR_POOLING_REJECTS_LOGITSPROCS",
+    "VllmConfig",
     "LogitBiasLogitsProcessor",
     "LogitsProcessor",
     "LogitsProcessorLoadError",
@@ -60,3 +65,5 @@ __all__ = [
     "process_dict_updates",
     "validate_logits_processors_parameters",
 ]
+
+VllmConfig = EngineConfig  # what vLLM processors annotate their config argument with

@@ -45,7 +45,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
         self, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
     ) -> partial[torch.Tensor] | None:
         req_lp = self.new_req_logits_processor(params)
-        if req_lp is None:
+        if not req_lp:  # as vLLM: a falsy callable means "not for this request"
             return None
         if len(inspect.signature(req_lp).parameters) == 3:
             if prompt_ids is None:

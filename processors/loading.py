@@ -1,8 +1,13 @@
 """Finding and constructing logits processors: builtins, entry points, classes, FQCNs.
 
 A custom item is a ``LogitsProcessor`` subclass, a ``"pkg.module:Qualified.Name"``
-string (``"pkg.module.Name"`` is accepted too), or a ``ProcessorSpec`` carrying
-constructor keyword arguments given on top of the standard three.
+string, or a ``ProcessorSpec`` carrying constructor keyword arguments given on
+top of the standard three. As in vLLM: every listing is built (a class listed
+twice runs twice), installed plugins come first (entry-point groups
+``vllm.logits_processors`` and ``raysample.logits_processors``), a module that
+cannot be imported is a ``RuntimeError``, a missing attribute an
+``AttributeError``, and a name without ``:`` or a non-processor a ``ValueError``
+(every one of them is also a ``LogitsProcessorLoadError``).
 """
 
 from __future__ import annotations
@@ -25,10 +30,21 @@ from processors.state import LogitsProcessors
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "raysample.logits_processors"
+LOGITSPROCS_GROUP = "vllm.logits_processors"  # where vLLM plugin packages register
+ENTRY_POINT_GROUPS = (LOGITSPROCS_GROUP, ENTRY_POINT_GROUP)
+STR_POOLING_REJECTS_LOGITSPROCS = "Pooling models do not support custom logits processors."
 
 
 class LogitsProcessorLoadError(ValueError):
     """A custom processor item could not be turned into a ``LogitsProcessor`` class."""
+
+
+class LogitsProcessorImportError(RuntimeError, LogitsProcessorLoadError):
+    """A processor's module or plugin could not be imported (vLLM raises ``RuntimeError``)."""
+
+
+class LogitsProcessorAttributeError(AttributeError, LogitsProcessorLoadError):
+    """The module has no such attribute (vLLM's ``getattr`` raises ``AttributeError``)."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +85,7 @@ def resolve_fqcn(name: str) -> type[LogitsProcessor]:
     """Import ``"pkg.module:Qualified.Name"`` and check it is a processor class."""
     if not isinstance(name, str) or not name.strip():
         raise LogitsProcessorLoadError(f"Logits processor name must be a non-empty string, got {name!r}.")
-    if ":" in name:
-        module_path, _, qualname = name.partition(":")
-    else:
-        module_path, _, qualname = name.rpartition(".")
+    module_path, _, qualname = name.partition(":")
     if not module_path or not qualname or ":" in qualname:
         raise LogitsProcessorLoadError(
             f"Logits processor {name!r} is not a fully qualified class name; expected 'pkg.module:ClassName'."
@@ -80,12 +93,12 @@ def resolve_fqcn(name: str) -> type[LogitsProcessor]:
     try:
         obj: Any = importlib.import_module(module_path)
     except Exception as exc:
-        raise LogitsProcessorLoadError(
+        raise LogitsProcessorImportError(
             f"Logits processor {name!r}: module {module_path!r} could not be imported ({type(exc).__name__}: {exc})."
         ) from exc
     for attr in qualname.split("."):
         if not hasattr(obj, attr):
-            raise LogitsProcessorLoadError(
+            raise LogitsProcessorAttributeError(
                 f"Logits processor {name!r}: {getattr(obj, '__name__', module_path)!r} has no attribute {attr!r}."
             )
         obj = getattr(obj, attr)
@@ -104,14 +117,21 @@ def resolve(item: CustomProcessor) -> tuple[type[LogitsProcessor], dict[str, Any
     return _check_class(item, item), {}
 
 
-def load_entry_point_processors(group: str = ENTRY_POINT_GROUP) -> list[type[LogitsProcessor]]:
-    """Every class installed under the entry-point group (all of them, always, as vLLM)."""
+def load_entry_point_processors(groups: Sequence[str] = ENTRY_POINT_GROUPS) -> list[type[LogitsProcessor]]:
+    """Every class installed under the entry-point groups (all of them, as vLLM)."""
+    classes = []
+    for group in groups:
+        classes.extend(_load_group(group))
+    return classes
+
+
+def _load_group(group: str) -> list[type[LogitsProcessor]]:
     classes = []
     for entry_point in importlib.metadata.entry_points(group=group):
         try:
             obj = entry_point.load()
         except Exception as exc:
-            raise LogitsProcessorLoadError(
+            raise LogitsProcessorImportError(
                 f"Logits processor entry point {entry_point.name!r} = {entry_point.value!r} (group {group!r}) "
                 f"could not be loaded ({type(exc).__name__}: {exc})."
             ) from exc
@@ -120,34 +140,40 @@ def load_entry_point_processors(group: str = ENTRY_POINT_GROUP) -> list[type[Log
 
 
 def load_custom_processors(
-    custom: Iterable[CustomProcessor] = (),
+    custom: Iterable[CustomProcessor] = (), entry_points: bool = True
 ) -> list[tuple[type[LogitsProcessor], dict[str, Any]]]:
-    """Entry-point classes, then the given items; exact repeats are constructed once."""
-    seen: set[tuple[type, tuple]] = set()
-    out = []
-    items = [(cls, {}) for cls in load_entry_point_processors()] + [resolve(item) for item in custom]
-    for cls, kwargs in items:
-        key = (cls, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
-        if key in seen:
-            logger.info("Logits processor %s listed more than once; loading it once.", describe(cls))
-            continue
-        seen.add(key)
-        out.append((cls, kwargs))
-    return out
+    """Entry-point classes (unless turned off), then the given items; every listing counts."""
+    plugins = [(cls, {}) for cls in load_entry_point_processors()] if entry_points else []
+    return plugins + [resolve(item) for item in custom]
 
 
 def build_logitsprocs(
-    config: Any,
+    vllm_config: Any,
     device: torch.device | str,
     is_pin_memory: bool,
-    custom: Sequence[CustomProcessor] = (),
+    is_pooling_model: bool | Sequence[CustomProcessor] = False,
+    custom_logitsprocs: Sequence[CustomProcessor] = (),
+    *,
+    custom: Sequence[CustomProcessor] | None = None,
+    entry_points: bool = True,
 ) -> LogitsProcessors:
-    """Instantiate builtins, entry-point processors and ``custom`` items, in that order."""
+    """Instantiate builtins, entry-point processors and custom items, in that order.
+
+    vLLM's signature, by position or keyword; raysample's older form (custom items as the
+    fourth argument, or ``custom=``) works too.
+    """
+    if not isinstance(is_pooling_model, bool):  # build_logitsprocs(config, device, pin, [items])
+        custom_logitsprocs, is_pooling_model = is_pooling_model, False
+    items = list(custom_logitsprocs) + list(custom or ())
+    if is_pooling_model:
+        if items:
+            raise ValueError(STR_POOLING_REJECTS_LOGITSPROCS)
+        return LogitsProcessors()
     device = torch.device(device)
-    procs: list[LogitsProcessor] = [cls(config, device, is_pin_memory) for cls in BUILTIN_LOGITS_PROCESSORS]
-    for cls, kwargs in load_custom_processors(custom):
+    procs: list[LogitsProcessor] = [cls(vllm_config, device, is_pin_memory) for cls in BUILTIN_LOGITS_PROCESSORS]
+    for cls, kwargs in load_custom_processors(items, entry_points):
         try:
-            procs.append(cls(config, device, is_pin_memory, **kwargs))
+            procs.append(cls(vllm_config, device, is_pin_memory, **kwargs))
         except Exception as exc:
             raise LogitsProcessorLoadError(
                 f"Logits processor {describe(cls)} failed in its constructor ({type(exc).__name__}: {exc})."
@@ -156,13 +182,13 @@ def build_logitsprocs(
 
 
 @lru_cache(maxsize=64)
-def _cached_custom_classes(custom: tuple[CustomProcessor, ...]) -> tuple[type[LogitsProcessor], ...]:
-    return tuple(cls for cls, _ in load_custom_processors(custom))
+def _cached_custom_classes(custom: tuple[CustomProcessor, ...], entry_points: bool) -> tuple[type[LogitsProcessor], ...]:
+    return tuple(dict.fromkeys(cls for cls, _ in load_custom_processors(custom, entry_points)))
 
 
 def validate_logits_processors_parameters(
-    custom: Sequence[CustomProcessor] | None, sampling_params: SamplingParams
+    custom: Sequence[CustomProcessor] | None, sampling_params: SamplingParams, entry_points: bool = True
 ) -> None:
     """Run every custom processor class's ``validate_params`` on one request's params."""
-    for cls in _cached_custom_classes(tuple(custom or ())):
+    for cls in _cached_custom_classes(tuple(custom or ()), entry_points):
         cls.validate_params(sampling_params)

@@ -37,12 +37,12 @@ def _import(target: str) -> Any:
 
 
 class RequestLevelAdapter(AdapterLogitsProcessor):
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool, *, target: str,
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool, *, target: Any,
                  enable_with: str, kwargs: dict[str, Any] | None = None, argmax_invariant: bool = False,
                  tokenizer_arg: str = "tokenizer") -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         try:
-            self.factory = _import(target)
+            self.factory = _import(target) if isinstance(target, str) else target
         except (ImportError, AttributeError, ValueError) as exc:
             raise ValueError(f"request-level processor {target!r} could not be imported: {exc}") from exc
         if not callable(self.factory):

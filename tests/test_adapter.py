@@ -68,3 +68,30 @@ def test_adapter_two_and_three_arg_callables_and_none_disables():
     proc.update_state(batch.take_update())
     assert set(proc.req_info) == {0}
     assert proc.state_digest() != before
+
+
+class Falsy:
+    """A callable that is falsy: vLLM's adapter treats it as "not for this request"."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, output_ids, logits):
+        raise AssertionError("a falsy request-level processor must not be applied")
+
+
+class FalsyAdapter(AdapterLogitsProcessor):
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        return Falsy()
+
+
+def test_a_falsy_request_level_callable_is_skipped():
+    proc = FalsyAdapter(engine_config(), torch.device("cpu"), False)
+    batch = PersistentBatch(2)
+    batch.update([], [BatchEntry("a", SamplingParams(), [1], [])])
+    proc.update_state(batch.take_update())
+    logits = torch.zeros(1, VOCAB)
+    assert proc.req_info == {} and torch.equal(proc.apply(logits), torch.zeros(1, VOCAB))

@@ -64,3 +64,27 @@ def test_yaml_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_python_configs_take_processor_classes_as_vllm_does():
+    """LLM(logits_processors=[Cls]) in vLLM; here classes, {class, kwargs} with a class, and strings."""
+    from cluster.local_engine import LocalEngine
+    from processors import SamplingParams
+    from processors.examples import BannedTokensLogitsProcessor, DummyLogitsProcessor
+
+    engine = LocalEngine({
+        "model": {"tiny": "default", "max_model_len": 64},
+        "scheduler": {"max_num_seqs": 2},
+        "processors": [DummyLogitsProcessor,
+                       {"class": BannedTokensLogitsProcessor, "kwargs": {"banned_token_ids": [42]}}],
+        "processors_from_entry_points": False,
+    })
+    target, banned = engine.generate(
+        ["Hello", "Hello"],
+        [SamplingParams(max_tokens=4, extra_args={"target_token": 9}),
+         SamplingParams(max_tokens=4, extra_args={"target_token": 42})],
+    )
+    assert target.token_ids == [9, 9, 9, 9]
+    assert 42 not in banned.token_ids  # the ban (from kwargs) wins over the target
+    names = [type(p).__name__ for p in engine.workers[0].sampler.logitsprocs.all]
+    assert names[3:] == ["DummyLogitsProcessor", "BannedTokensLogitsProcessor"]

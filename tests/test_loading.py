@@ -9,6 +9,7 @@ import torch
 
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from processors import (
+    LogitsProcessor,
     BUILTIN_LOGITS_PROCESSORS,
     LogitsProcessorLoadError,
     ProcessorSpec,
@@ -67,18 +68,20 @@ def test_examples_load_by_class_object(cls):
 
 @pytest.mark.parametrize("cls", EXAMPLES)
 def test_examples_load_by_fqcn(cls):
-    for name in (f"processors.examples:{cls.__name__}", f"processors.examples.{cls.__name__}"):
-        procs = build_logitsprocs(engine_config(), "cpu", False, custom=[name])
-        (proc,) = _custom(procs, cls)
-        check_only_enabled_rows_change(proc)
+    procs = build_logitsprocs(engine_config(), "cpu", False, custom=[f"processors.examples:{cls.__name__}"])
+    (proc,) = _custom(procs, cls)
+    check_only_enabled_rows_change(proc)
+    with pytest.raises(ValueError, match="not a fully qualified class name"):  # vLLM needs the ':'
+        build_logitsprocs(engine_config(), "cpu", False, custom=[f"processors.examples.{cls.__name__}"])
 
 
-def _install_plugin(tmp_path, monkeypatch, entry_points: str, module_source: str | None = None):
+def _install_plugin(tmp_path, monkeypatch, entry_points: str, module_source: str | None = None,
+                    group_lines: str = ""):
     """A real installed distribution: a dist-info with entry_points.txt on sys.path."""
     dist = tmp_path / "raysample_test_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: raysample-test-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[raysample.logits_processors]\n{entry_points}\n")
+    (dist / "entry_points.txt").write_text(f"[raysample.logits_processors]\n{entry_points}\n{group_lines}")
     if module_source is not None:
         (tmp_path / "raysample_test_plugin.py").write_text(module_source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -109,34 +112,81 @@ def test_examples_load_by_entry_point(tmp_path, monkeypatch):
     for cls in EXAMPLES:
         (proc,) = _custom(procs, cls)
         check_only_enabled_rows_change(proc)
-    # Named both as entry point and explicitly: loaded once.
+    # Named both as entry point and explicitly: built once per listing, as vLLM.
     again = build_logitsprocs(engine_config(), "cpu", False, custom=[DummyLogitsProcessor])
-    assert len(_custom(again, DummyLogitsProcessor)) == 1
+    assert len(_custom(again, DummyLogitsProcessor)) == 2
+    off = build_logitsprocs(engine_config(), "cpu", False, custom=[DummyLogitsProcessor], entry_points=False)
+    assert [type(p).__name__ for p in off.all][3:] == ["DummyLogitsProcessor"]
 
 
 def test_broken_entry_point_names_it(tmp_path, monkeypatch):
     _install_plugin(tmp_path, monkeypatch, "broken = raysample_no_such_module:Thing")
-    with pytest.raises(LogitsProcessorLoadError, match="entry point 'broken'.*could not be loaded"):
+    with pytest.raises(RuntimeError, match="entry point 'broken'.*could not be loaded") as info:
         build_logitsprocs(engine_config(), "cpu", False)
+    assert isinstance(info.value, LogitsProcessorLoadError)
 
 
 @pytest.mark.parametrize(
-    "item, message",
+    "item, error, message",
     [
-        ("no_such_pkg.mod:Proc", "module 'no_such_pkg.mod' could not be imported"),
-        ("processors.examples:NoSuchClass", "'processors.examples' has no attribute 'NoSuchClass'"),
-        ("processors.examples:DummyLogitsProcessor.inner", "has no attribute 'inner'"),
-        ("processors.examples:logger", "is not a class"),
-        ("processors.examples:DummyPerReqLogitsProcessor", "is not a subclass of processors.LogitsProcessor"),
-        ("justaname", "is not a fully qualified class name"),
-        ("", "must be a non-empty string"),
-        (int, "is not a subclass of processors.LogitsProcessor"),
-        (ProcessorSpec("processors.examples:DummyLogitsProcessor", kwargs={"bogus": 1}), "failed in its constructor"),
+        ("no_such_pkg.mod:Proc", RuntimeError, "module 'no_such_pkg.mod' could not be imported"),
+        ("processors.examples:NoSuchClass", AttributeError, "'processors.examples' has no attribute 'NoSuchClass'"),
+        ("processors.examples:DummyLogitsProcessor.inner", AttributeError, "has no attribute 'inner'"),
+        ("processors.examples:logger", ValueError, "is not a class"),
+        ("processors.examples:DummyPerReqLogitsProcessor", ValueError, "is not a subclass of processors.LogitsProcessor"),
+        ("justaname", ValueError, "is not a fully qualified class name"),
+        ("processors.examples.DummyLogitsProcessor", ValueError, "is not a fully qualified class name"),
+        ("", ValueError, "must be a non-empty string"),
+        (int, ValueError, "is not a subclass of processors.LogitsProcessor"),
+        (ProcessorSpec("processors.examples:DummyLogitsProcessor", kwargs={"bogus": 1}), ValueError,
+         "failed in its constructor"),
     ],
 )
-def test_load_errors_name_item_and_reason(item, message):
-    with pytest.raises(LogitsProcessorLoadError, match=message):
+def test_load_errors_have_vllms_types_and_name_item_and_reason(item, error, message):
+    """vLLM: RuntimeError for imports, AttributeError for a missing attribute, ValueError otherwise."""
+    with pytest.raises(error, match=message) as info:
         build_logitsprocs(engine_config(), "cpu", False, custom=[item])
+    assert isinstance(info.value, LogitsProcessorLoadError)
+
+
+class Doubler(LogitsProcessor):
+    def __init__(self, config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self):
+        return True
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        return logits * 2
+
+
+def test_vllm_signature_by_position_and_keyword_and_every_listing_built():
+    by_position = build_logitsprocs(engine_config(), torch.device("cpu"), False, False, [Doubler, Doubler])
+    by_keyword = build_logitsprocs(vllm_config=engine_config(), device=torch.device("cpu"), is_pin_memory=False,
+                                   is_pooling_model=False, custom_logitsprocs=[Doubler, Doubler])
+    for procs in (by_position, by_keyword):
+        doublers = _custom(procs, Doubler)
+        assert len(doublers) == 2  # one instance per listing, each applied
+        logits = torch.ones(1, 4)
+        for proc in doublers:
+            logits = proc.apply(logits)
+        assert torch.equal(logits, torch.full((1, 4), 4.0))
+
+
+def test_pooling_models_reject_custom_processors():
+    assert len(build_logitsprocs(engine_config(), "cpu", False, True)) == 0
+    with pytest.raises(ValueError, match="Pooling models do not support custom logits processors"):
+        build_logitsprocs(engine_config(), "cpu", False, True, [Doubler])
+
+
+def test_vllm_plugin_group_is_read(tmp_path, monkeypatch):
+    _install_plugin(tmp_path, monkeypatch, "", group_lines="[vllm.logits_processors]\ndoubler = test_loading:Doubler\n")
+    procs = build_logitsprocs(engine_config(), "cpu", False)
+    assert len(_custom(procs, Doubler)) == 1
+    assert not _custom(build_logitsprocs(engine_config(), "cpu", False, entry_points=False), Doubler)
 
 
 def test_processor_spec_passes_kwargs():

@@ -79,13 +79,15 @@ class Sampler:
         custom_logitsprocs: Sequence[CustomProcessor] = (),
         is_pin_memory: bool = False,
         thinking: ThinkingBudgetStateHolder | None = None,
+        entry_points: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.thinking = thinking
         args = (config, self.device, is_pin_memory)
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
-        self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, custom_logitsprocs)
+        self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False, custom_logitsprocs,
+                                             entry_points=entry_points)
         self.penalties = PenaltiesLogitsProcessor(*args)
         self.temperature = TemperatureLogitsProcessor(*args)
         self.top_k_top_p = TopKTopPLogitsProcessor(*args)
