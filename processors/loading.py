@@ -70,11 +70,13 @@ def describe(item: object) -> str:
 
 
 def _check_class(obj: object, item: object) -> type[LogitsProcessor]:
+    from processors.mrv2 import LogitsProcessor as SlotLogitsProcessor
+
     if not isinstance(obj, type):
         raise LogitsProcessorLoadError(
             f"Logits processor {describe(item)} is not a class (it is a {type(obj).__name__})."
         )
-    if not issubclass(obj, LogitsProcessor):
+    if not issubclass(obj, (LogitsProcessor, SlotLogitsProcessor)):
         raise LogitsProcessorLoadError(
             f"Logits processor {describe(item)} is not a subclass of processors.LogitsProcessor."
         )
@@ -139,6 +141,14 @@ def _load_group(group: str) -> list[type[LogitsProcessor]]:
     return classes
 
 
+def split_by_interface(
+    loaded: list[tuple[type, dict[str, Any]]],
+) -> tuple[list[tuple[type, dict[str, Any]]], list[tuple[type, dict[str, Any]]]]:
+    """(batch-level processors, slot-keyed Model Runner V2 processors), order kept."""
+    batch_level = [(cls, kw) for cls, kw in loaded if issubclass(cls, LogitsProcessor)]
+    return batch_level, [(cls, kw) for cls, kw in loaded if not issubclass(cls, LogitsProcessor)]
+
+
 def load_custom_processors(
     custom: Iterable[CustomProcessor] = (), entry_points: bool = True
 ) -> list[tuple[type[LogitsProcessor], dict[str, Any]]]:
@@ -172,6 +182,11 @@ def build_logitsprocs(
     device = torch.device(device)
     procs: list[LogitsProcessor] = [cls(vllm_config, device, is_pin_memory) for cls in BUILTIN_LOGITS_PROCESSORS]
     for cls, kwargs in load_custom_processors(items, entry_points):
+        if not issubclass(cls, LogitsProcessor):
+            raise LogitsProcessorLoadError(
+                f"Logits processor {describe(cls)} uses the slot-keyed (Model Runner V2) interface; "
+                "the engine's Sampler runs it, build_logitsprocs builds batch-level processors only."
+            )
         try:
             procs.append(cls(vllm_config, device, is_pin_memory, **kwargs))
         except Exception as exc:

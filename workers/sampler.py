@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from processors import BatchUpdate, LogitsProcessor, SamplingParams, build_logitsprocs
+from processors import BatchUpdate, LogitsProcessor, ProcessorSpec, SamplingParams, build_logitsprocs
+from processors.loading import load_custom_processors, split_by_interface
 from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
 from processors.bad_words import BadWordsLogitsProcessor
 from processors.loading import CustomProcessor
@@ -41,6 +42,7 @@ from processors.temperature import TemperatureLogitsProcessor
 from processors.thinking_budget import ThinkingBudgetStateHolder
 from processors.top_k_top_p import TopKTopPLogitsProcessor
 from workers.counter_rng import gumbel_argmax, stream_base
+from workers.slot_processors import SlotProcessorHost
 
 
 class LogitsProcessorError(RuntimeError):
@@ -86,8 +88,10 @@ class Sampler:
         args = (config, self.device, is_pin_memory)
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
-        self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False, custom_logitsprocs,
-                                             entry_points=entry_points)
+        batch_level, slot_keyed = split_by_interface(load_custom_processors(custom_logitsprocs, entry_points))
+        self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False,
+                                             [ProcessorSpec(cls, kw) for cls, kw in batch_level], entry_points=False)
+        self.slot_processors = SlotProcessorHost(config, self.device, slot_keyed)
         self.penalties = PenaltiesLogitsProcessor(*args)
         self.temperature = TemperatureLogitsProcessor(*args)
         self.top_k_top_p = TopKTopPLogitsProcessor(*args)
@@ -130,6 +134,8 @@ class Sampler:
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         self.rows.update(batch_update, self._row_values)
+        if self.slot_processors:
+            self.slot_processors.update_state(batch_update)
         for stage in self.stages:
             try:
                 stage.update_state(batch_update)
@@ -212,6 +218,8 @@ class Sampler:
             digest = getattr(stage, "state_digest", None)
             if digest is not None:
                 out[processor_name(stage)] = digest()
+        if self.slot_processors:
+            out["slot-keyed processors"] = self.slot_processors.state_digest()
         return out
 
     @staticmethod
@@ -282,6 +290,8 @@ class Sampler:
         for proc in self.logitsprocs.non_argmax_invariant:
             logits = self._run(proc, logits, rows)
         logits = self._run(self.penalties, logits, rows)
+        if self.slot_processors:
+            logits = self._run_slot_processors(logits, rows, num_drafts)
         if self.thinking is not None and self.thinking.has_tracked_requests():
             logits = self.thinking.apply_rows(logits, rows, num_drafts)
         greedy_tokens = logits.argmax(dim=-1)
@@ -291,6 +301,14 @@ class Sampler:
                 logits = self._run(proc, logits, rows)
             logits = self._run(self.top_k_top_p, logits, rows)
         return logits, greedy_tokens
+
+    def _run_slot_processors(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None
+                             ) -> torch.Tensor:
+        try:
+            return self.slot_processors.apply(logits, rows, num_drafts)
+        except Exception as exc:
+            names = ", ".join(processor_name(p) for p in self.slot_processors.processors)
+            raise LogitsProcessorError(f"Logits processor(s) {names} raised in apply: {type(exc).__name__}: {exc}") from exc
 
     def check_rows(self, logits: torch.Tensor, rows: slice | None) -> slice:
         rows = slice(0, logits.shape[0]) if rows is None else rows
