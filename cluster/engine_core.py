@@ -235,12 +235,12 @@ class EngineCore:
                 logger.warning("worker %d is gone (%s)", i, type(exc).__name__)
                 gone.append(i)
             except ray.exceptions.RayTaskError as exc:
-                raised.append(f"worker {i}: {getattr(exc, 'cause', exc)}")
+                raised.append(getattr(exc, "cause", exc))
         if gone:
             self._recover(gone)
             return None
         if raised:
-            self._fail_running("; ".join(raised))
+            self._fail_step(raised[0])
             return None
         return results
 
@@ -248,7 +248,7 @@ class EngineCore:
         try:
             return list(ray.get(self._graph.execute(plan), timeout=self.timeout_s))
         except ray.exceptions.RayTaskError as exc:
-            self._fail_running(str(getattr(exc, "cause", exc)))
+            self._fail_step(getattr(exc, "cause", exc))
             return None
         except Exception as exc:  # a worker died or hung: the graph is broken
             logger.warning("step %d failed (%s: %s); checking workers", plan.step, type(exc).__name__, exc)
@@ -290,12 +290,11 @@ class EngineCore:
             requeued = self.coordinator.requeue_running(list(self.workers))
             logger.warning("re-admitted %d running requests on workers %s", requeued, sorted(self.workers))
 
-    def _fail_running(self, message: str) -> None:
-        """A worker raised (e.g. a processor): fail the batch it was serving, keep the engine."""
+    def _fail_step(self, cause: BaseException) -> None:
+        """A worker raised (e.g. a processor): fail the requests that enable it when known, else
+        the step's batch; reset the workers and re-admit the others; the engine keeps serving."""
         with self.lock:
-            running = [e.request_id for e in self.coordinator.batch.entries()]
-            self.coordinator.fail_requests(running, f"step failed: {message}")
-            self.coordinator.requeue_running(list(self.workers))
+            self.coordinator.fail_step(getattr(cause, "rows", None), f"step failed: {cause}", list(self.workers))
             self._publish(self.coordinator.take_outputs())
         self._teardown()
         ray.get([w.reset.remote() for w in self.workers.values()], timeout=self.timeout_s)

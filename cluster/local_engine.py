@@ -20,6 +20,7 @@ from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
 from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
+from workers.sampler import LogitsProcessorError
 from workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,13 @@ class LocalEngine:
         plan = self.coordinator.next_plan()
         if plan is None:
             return self.coordinator.take_outputs()
-        results = [worker.step(plan) for worker in self.workers]
+        try:
+            results = [worker.step(plan) for worker in self.workers]
+        except LogitsProcessorError as exc:  # fail who enables the processor; the engine goes on
+            self.coordinator.fail_step(exc.rows, f"step failed: {exc}", range(len(self.workers)))
+            for worker in self.workers:
+                worker.reset()
+            return self.coordinator.take_outputs()
         if plan.audit:
             check_consistency(plan.step, results)
         return self.coordinator.process(plan, results)

@@ -278,6 +278,16 @@ class Coordinator:
                 self._finalize_text(request)
                 self._pending_outputs[request.group.request_id] = request.group
 
+    def fail_step(self, rows: Sequence[int] | None, message: str, alive_workers: Sequence[int]) -> list[str]:
+        """A processor failed this step: fail the requests of ``rows`` (every row when unknown) and
+        re-admit the others with the tokens they have, exactly as after a worker failure. Workers
+        must be reset. Returns the failed row ids."""
+        ids = self.batch.request_ids()
+        failed = [ids[r] for r in rows if 0 <= r < len(ids)] if rows else ids
+        self.fail_requests(failed, message)
+        self.requeue_running(alive_workers)
+        return failed
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (no worker left, replicas diverged)."""
         for request in self.rows.values():

@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 
 from processors.digest import digest_of
-from processors.interface import BatchUpdate, LogitsProcessor
+from processors.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
 
@@ -21,6 +21,29 @@ RequestLogitsProcessor = Union[
     # (prompt token ids, output token ids, logits row) -> logits row
     Callable[[list[int], list[int], torch.Tensor], torch.Tensor],
 ]
+
+
+class RequestConstructionError(RuntimeError):
+    """Per-request processors could not be built for ``rows`` (batch rows after the update)."""
+
+    def __init__(self, rows: list[int], cause: BaseException) -> None:
+        super().__init__(f"the per-request processor of row(s) {rows} could not be built "
+                         f"({type(cause).__name__}: {cause})")
+        self.rows = rows
+
+
+def final_rows(rows: list[int], batch_update: BatchUpdate) -> list[int]:
+    """Where rows named at their add end up after the update's moves."""
+    at = set(rows)
+    for a, b, direction in batch_update.moved:
+        has_a, has_b = a in at, b in at
+        at.discard(a)
+        at.discard(b)
+        if has_a:
+            at.add(b)
+        if has_b and direction == MoveDirectionality.SWAP:
+            at.add(a)
+    return sorted(at)
 
 
 class AdapterLogitsProcessor(LogitsProcessor):
@@ -57,7 +80,22 @@ class AdapterLogitsProcessor(LogitsProcessor):
         return partial(req_lp, output_ids)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.req_info, batch_update, self._new_state)
+        if batch_update is None:
+            process_dict_updates(self.req_info, batch_update, self._new_state)
+            return
+        # Build each added request's callable first, so one that fails is known by its row.
+        built, failed, first_error = [], [], None
+        for index, params, prompt, output in batch_update.added:
+            try:
+                built.append(self._new_state(params, prompt, output))
+            except Exception as exc:
+                built.append(None)
+                failed.append(index)
+                first_error = first_error or exc
+        states = iter(built)
+        process_dict_updates(self.req_info, batch_update, lambda *_: next(states))
+        if failed:
+            raise RequestConstructionError(final_rows(failed, batch_update), first_error) from first_error
 
     def _apply_entries(self, logits: torch.Tensor, start: int) -> torch.Tensor:
         stop = start + logits.shape[0]

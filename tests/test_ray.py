@@ -60,7 +60,9 @@ def workload() -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def ray_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
-    ray.init(address=cluster.address, namespace="raysample-tests")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))  # test-only processors, importable in actors
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(address=cluster.address, namespace="raysample-tests", runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield cluster
     ray.shutdown()
     cluster.shutdown()
@@ -196,5 +198,28 @@ def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
         assert bad.finish_reason == FinishReason.ERROR and "outside the vocabulary" in bad.error
         with pytest.raises(EngineError, match="unknown request id"):
             engine.poll(["nope"], 0.1)
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_processor_fails_only_its_requests_on_ray(ray_cluster):
+    from failing_processors import BoomAdapter
+
+    processors = [BoomAdapter, "failing_processors:BoomV2"]  # a class object travels to the actors too
+    extra = {"processors": processors, "speculative": None, "reasoning": None}
+    params = [SamplingParams(seed=i, temperature=0.8, max_tokens=12, ignore_eos=True) for i in range(len(PROMPTS))]
+    clean = LocalEngine(base_config(cluster={"num_workers": 1}, **extra)).generate(PROMPTS, params)
+    tagged = {0: "apply", 3: "v2"}
+    for i, tag in tagged.items():
+        params[i] = SamplingParams(max_tokens=5, extra_args={"boom": tag})
+    engine = start("boom", cluster={"num_workers": 2}, **extra)
+    try:
+        outs = engine.generate(PROMPTS, params)
+        for i, (out, ref) in enumerate(zip(outs, clean)):
+            if i in tagged:
+                assert out.error and "exploded" in out.error, out.error
+            else:
+                assert out.error is None and out.token_ids == ref.token_ids, i
+        assert engine.stats()["error"] is None
     finally:
         engine.shutdown()

@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from processors import BatchUpdate, LogitsProcessor, ProcessorSpec, SamplingParams, build_logitsprocs
+from processors import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    ProcessorSpec,
+    SamplingParams,
+    build_logitsprocs,
+)
 from processors.loading import load_custom_processors, split_by_interface
 from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
 from processors.bad_words import BadWordsLogitsProcessor
@@ -42,11 +49,22 @@ from processors.temperature import TemperatureLogitsProcessor
 from processors.thinking_budget import ThinkingBudgetStateHolder
 from processors.top_k_top_p import TopKTopPLogitsProcessor
 from workers.counter_rng import gumbel_argmax, stream_base
-from workers.slot_processors import SlotProcessorHost
+from workers.slot_processors import SlotProcessorFailure, SlotProcessorHost
 
 
 class LogitsProcessorError(RuntimeError):
-    """A processor raised while the sampler ran it; the message names the processor."""
+    """A processor raised while the sampler ran it; the message names the processor.
+
+    ``rows``: the batch rows whose requests enable that processor, when that can be known
+    (request-level adapters, slot-keyed processors); ``None`` means the whole step's batch.
+    """
+
+    def __init__(self, message: str, rows: tuple[int, ...] | None = None) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+    def __reduce__(self):  # keep ``rows`` across processes (Ray)
+        return type(self), (self.args[0], self.rows)
 
 
 @dataclass
@@ -135,14 +153,15 @@ class Sampler:
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         self.rows.update(batch_update, self._row_values)
         if self.slot_processors:
-            self.slot_processors.update_state(batch_update)
+            try:
+                self.slot_processors.update_state(batch_update)
+            except SlotProcessorFailure as failure:
+                raise self._error(failure.processor, "add_request", failure.__cause__, failure.rows) from failure
         for stage in self.stages:
             try:
                 stage.update_state(batch_update)
             except Exception as exc:
-                raise LogitsProcessorError(
-                    f"Logits processor {processor_name(stage)} raised in update_state: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise self._error(stage, "update_state", exc) from exc
 
     # ----- speculative decoding (see LogitsProcessor's docstring for the contract) -----
 
@@ -200,9 +219,20 @@ class Sampler:
         try:
             stage.update_state(None)
         except Exception as exc:
-            raise LogitsProcessorError(
-                f"Logits processor {processor_name(stage)} raised in update_state: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._error(stage, "update_state", exc) from exc
+
+    def _error(self, proc: object, where: str, exc: BaseException | None,
+               failed: list[int] | None = None) -> LogitsProcessorError:
+        """The error to raise, with the rows that enable ``proc`` when those are known."""
+        rows = None
+        failed = failed if failed is not None else getattr(exc, "rows", None)
+        if isinstance(proc, AdapterLogitsProcessor):
+            rows = tuple(sorted(set(proc.req_info) | set(failed or ())))
+        elif failed is not None:
+            rows = tuple(failed)
+        return LogitsProcessorError(
+            f"Logits processor {processor_name(proc)} raised in {where}: {type(exc).__name__}: {exc}", rows or None
+        )
 
     @property
     def batch_size(self) -> int:
@@ -250,9 +280,7 @@ class Sampler:
             full[rows] = logits
             return proc.apply(full)[rows]
         except Exception as exc:
-            raise LogitsProcessorError(
-                f"Logits processor {processor_name(proc)} raised in apply: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._error(proc, "apply", exc) from exc
 
     def logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
         """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call."""
@@ -306,9 +334,8 @@ class Sampler:
                              ) -> torch.Tensor:
         try:
             return self.slot_processors.apply(logits, rows, num_drafts)
-        except Exception as exc:
-            names = ", ".join(processor_name(p) for p in self.slot_processors.processors)
-            raise LogitsProcessorError(f"Logits processor(s) {names} raised in apply: {type(exc).__name__}: {exc}") from exc
+        except SlotProcessorFailure as failure:
+            raise self._error(failure.processor, "apply", failure.__cause__, failure.rows) from failure
 
     def check_rows(self, logits: torch.Tensor, rows: slice | None) -> slice:
         rows = slice(0, logits.shape[0]) if rows is None else rows

@@ -18,8 +18,19 @@ import numpy as np
 import torch
 
 from processors import BatchUpdate, MoveDirectionality
+from processors.adapter import final_rows
 from processors.digest import digest_of
 from processors.mrv2 import LogitsContext, LogitsProcessor, LogitsProcRequestState, SlotBuffer
+
+
+class SlotProcessorFailure(RuntimeError):
+    """A slot-keyed processor raised; ``rows``: the batch rows whose requests it was enabled for."""
+
+    def __init__(self, processor: LogitsProcessor, rows: list[int]) -> None:
+        super().__init__(f"{type(processor).__qualname__} failed")
+        self.processor = processor
+        self.rows = rows
+        self.slot = -1
 
 
 class SlotProcessorHost:
@@ -55,18 +66,27 @@ class SlotProcessorHost:
             for index in batch_update.removed:
                 self._release(rows[index])
                 rows[index] = -1
+            failures: list[tuple[int, SlotProcessorFailure]] = []
             for index, params, prompt, output in batch_update.added:
                 while len(rows) <= index:
                     rows.append(-1)
                 if rows[index] >= 0:
                     self._release(rows[index])
-                rows[index] = self._admit(params, list(prompt or []), output)
+                try:
+                    rows[index] = self._admit(params, list(prompt or []), output)
+                except SlotProcessorFailure as failure:
+                    rows[index] = failure.slot
+                    failures.append((index, failure))
             for a, b, direction in batch_update.moved:
                 if direction == MoveDirectionality.SWAP:
                     rows[a], rows[b] = rows[b], rows[a]
                 else:
                     rows[b], rows[a] = rows[a], -1
             del rows[batch_update.batch_size :]
+            if failures:
+                failure = failures[0][1]
+                failure.rows = final_rows([index for index, _ in failures], batch_update)
+                raise failure
         self._commit()
         for buffer in (self.req_states.all_token_ids, self.req_states.prompt_len, self.req_states.prefill_len,
                        self.req_states.total_len):
@@ -84,8 +104,18 @@ class SlotProcessorHost:
         state.total_len.np[slot] = len(tokens)
         self._lists[slot] = (prompt, output)
         for i, proc in enumerate(self.processors):
-            self.enabled[i, slot] = bool(proc.add_request(slot, params))
+            try:
+                self.enabled[i, slot] = bool(proc.add_request(slot, params))
+            except Exception as exc:
+                failure = SlotProcessorFailure(proc, [])
+                failure.slot = slot
+                failure.__cause__ = exc
+                raise failure from exc
         return slot
+
+    def rows_enabling(self, index: int) -> list[int]:
+        """Batch rows whose requests processor ``index`` said it edits."""
+        return [row for row, slot in enumerate(self.slot_of_row) if slot >= 0 and self.enabled[index, slot]]
 
     def _release(self, slot: int) -> None:
         if slot >= 0:
@@ -134,7 +164,10 @@ class SlotProcessorHost:
         expanded = logits if drafts.max() == 0 else logits.index_select(0, torch.from_numpy(row_of).to(device))
         for i, proc in enumerate(self.processors):
             if self.enabled[i, slots].any():
-                expanded = proc.apply(expanded, ctx)
+                try:
+                    expanded = proc.apply(expanded, ctx)
+                except Exception as exc:
+                    raise SlotProcessorFailure(proc, self.rows_enabling(i)) from exc
         return expanded if drafts.max() == 0 else expanded.index_select(0, torch.from_numpy(last).to(device))
 
     def state_digest(self) -> bytes:

@@ -1,0 +1,56 @@
+"""Processors that raise for tagged requests (the isolation tests load them by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from processors import AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, SamplingParams, process_dict_updates
+from processors import mrv2
+
+
+def _tag(params: SamplingParams) -> str | None:
+    return (params.extra_args or {}).get("boom")
+
+
+class BoomAdapter(AdapterLogitsProcessor):
+    """``boom: "apply"``: its per-request callable raises; ``boom: "build"``: building it raises."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if _tag(params) == "build":
+            raise ValueError("cannot build for this request")
+        if _tag(params) == "apply":
+            def explode(output_ids, logits):
+                raise RuntimeError("per-request processor exploded")
+            return explode
+        return None
+
+
+class BoomBatch(LogitsProcessor):
+    """``boom: "batch"``: raises in apply; it cannot tell which request is to blame."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.tagged: dict[int, bool] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "batch" else None)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tagged:
+            raise RuntimeError("batch-level processor exploded")
+        return logits
+
+
+class BoomV2(mrv2.LogitsProcessor):
+    """Slot-keyed: enabled (``add_request`` is True) for ``boom: "v2"``, then raises in apply."""
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        return _tag(sampling_params) == "v2"
+
+    def apply(self, logits: torch.Tensor, ctx: mrv2.LogitsContext) -> torch.Tensor:
+        raise RuntimeError("slot-keyed processor exploded")

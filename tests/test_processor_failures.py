@@ -1,0 +1,60 @@
+"""A processor that raises fails only the requests that enable it (when that can be known), or
+else the step's batch; every other request's output is what it would have been; the engine goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.local_engine import LocalEngine
+from processors import SamplingParams
+
+PROCESSORS = ["failing_processors:BoomAdapter", "failing_processors:BoomBatch", "failing_processors:BoomV2"]
+PROMPTS = ["Hello there", "The quick brown fox", "café 你好", "Numbers like 0 1 2 3", "batch", "a b c a b c",
+           "Think first", "Unicode matters"]
+
+
+def engine(workers: int = 2) -> LocalEngine:
+    return LocalEngine({"model": {"tiny": "default", "max_model_len": 128},
+                        "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1},
+                        "cluster": {"num_workers": workers}, "processors": PROCESSORS})
+
+
+def innocent(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + i, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def clean() -> list[list[int]]:
+    return [o.token_ids for o in engine().generate(PROMPTS, [innocent(i) for i in range(len(PROMPTS))])]
+
+
+@pytest.mark.parametrize("tag", ["apply", "build", "v2"])
+def test_only_requests_enabling_the_processor_fail(clean, tag):
+    eng = engine()
+    tagged = {1, 5}
+    params = [SamplingParams(max_tokens=8, extra_args={"boom": tag}) if i in tagged else innocent(i)
+              for i in range(len(PROMPTS))]
+    outs = eng.generate(PROMPTS, params)
+    for i, out in enumerate(outs):
+        if i in tagged:
+            assert out.error and "failing_processors.Boom" in out.error, out.error
+            assert "exploded" in out.error or "cannot build" in out.error, out.error
+        else:
+            assert out.error is None and out.token_ids == clean[i], i
+    again = eng.generate("Hello there", innocent(0))[0]  # the engine keeps serving
+    assert again.token_ids == clean[0]
+
+
+def test_unattributable_failure_fails_the_steps_batch_and_the_engine_goes_on(clean):
+    eng = engine()
+    ids = [eng.add_request(p, innocent(i)) for i, p in enumerate(PROMPTS[:3])]
+    bomb = eng.add_request("boom", SamplingParams(max_tokens=5, extra_args={"boom": "batch"}))
+    outs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert "BoomBatch raised in apply" in outs[bomb].error
+    assert all(outs[r].error and "BoomBatch" in outs[r].error for r in ids)  # running beside it
+    later = eng.generate(PROMPTS[3:5], [innocent(3), innocent(4)])
+    assert [o.token_ids for o in later] == clean[3:5]
