@@ -31,6 +31,7 @@ from coordinator.request import (
 from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
+from processors.structured_output import GrammarCache
 from workers.sampler import Sampler, TokenLogprobs
 
 
@@ -118,6 +119,7 @@ class Coordinator:
         self._step = 0
         self._next_id = 0
         self._pending_outputs: dict[str, RequestGroup] = {}
+        self._grammar_cache: GrammarCache | None = None
 
     # ----- requests -----
 
@@ -192,6 +194,8 @@ class Coordinator:
             params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
             Sampler.validate(params, vocab)
+            if params.structured_outputs is not None:
+                self._grammars().get(params.structured_outputs)  # a bad schema fails here, for this request
             validate_logits_processors_parameters(self.custom_processors, params, self.processors_from_entry_points)
         except ValueError as exc:
             return str(exc)
@@ -199,6 +203,11 @@ class Coordinator:
             return f"{type(exc).__name__}: {exc}"
         params.assign_request_key(request_id, self.seed)
         return None
+
+    def _grammars(self) -> GrammarCache:
+        if self._grammar_cache is None:
+            self._grammar_cache = GrammarCache(self.tokenizer, self.model.vocab_size)
+        return self._grammar_cache
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (every completion of it) now; False if it is unknown or already finished."""

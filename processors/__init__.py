@@ -32,6 +32,7 @@ from processors.loading import (
 )
 from processors.sampling_params import SamplingParams, SamplingType
 from processors.state import BatchUpdateBuilder, LogitsProcessors, process_dict_updates
+from processors.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "AdapterLogitsProcessor",
@@ -61,6 +62,7 @@ __all__ = [
     "SamplingType",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
     "build_logitsprocs",
     "process_dict_updates",
     "validate_logits_processors_parameters",

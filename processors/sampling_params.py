@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
+from processors.structured_outputs import GUIDED_ALIASES, StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MIN_RANDOM_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (as vLLM)
 LOGIT_BIAS_LIMIT = 100.0
@@ -113,6 +115,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     bad_words: list[str] | None = None
     thinking_token_budget: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Set by the engine at admission, never by users.
     _eos_token_id: int | None = field(default=None, repr=False, compare=False)
@@ -141,6 +144,7 @@ class SamplingParams:
             self.logprobs = 1
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise _fail("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}.")
         self._verify_args()
@@ -295,7 +299,11 @@ class SamplingParams:
             if f.name in ("stop", "stop_token_ids", "bad_words") and value == []:
                 continue
             if value != default:
-                out[f.name] = {str(k): v for k, v in value.items()} if f.name == "logit_bias" else value
+                if f.name == "logit_bias":
+                    value = {str(k): v for k, v in value.items()}
+                elif f.name == "structured_outputs":
+                    value = value.to_dict()
+                out[f.name] = value
         return out
 
     @classmethod
@@ -304,6 +312,12 @@ class SamplingParams:
         if not isinstance(data, dict):
             raise ValueError(f"sampling_params must be a mapping, got {type(data).__name__}.")
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        aliases = {k: v for k, v in data.items() if k in GUIDED_ALIASES}
+        if aliases:
+            if "structured_outputs" in data:
+                raise ValueError(f"give structured_outputs or {sorted(aliases)}, not both.")
+            data = {k: v for k, v in data.items() if k not in GUIDED_ALIASES}
+            data["structured_outputs"] = {GUIDED_ALIASES[k]: v for k, v in aliases.items()}
         if "best_of" in data and data["best_of"] == data.get("n", 1):
             data = {k: v for k, v in data.items() if k != "best_of"}  # best_of == n ranks nothing
         for name, why in UNSUPPORTED_FIELDS.items():

@@ -41,6 +41,7 @@ from processors import (
 from processors.loading import load_custom_processors, split_by_interface
 from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
 from processors.bad_words import BadWordsLogitsProcessor
+from processors.structured_output import StructuredOutputLogitsProcessor
 from processors.loading import CustomProcessor
 from processors.penalties import PenaltiesLogitsProcessor
 from processors.row_state import RowColumns
@@ -106,6 +107,8 @@ class Sampler:
         args = (config, self.device, is_pin_memory)
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
+        reasoning = (thinking.start, thinking.end) if thinking is not None else None
+        self.structured = StructuredOutputLogitsProcessor(*args, reasoning=reasoning)
         batch_level, slot_keyed = split_by_interface(load_custom_processors(custom_logitsprocs, entry_points))
         self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False,
                                              [ProcessorSpec(cls, kw) for cls, kw in batch_level], entry_points=False)
@@ -130,6 +133,7 @@ class Sampler:
         return [
             self.allowed_token_ids,
             self.bad_words,
+            self.structured,
             *self.logitsprocs.non_argmax_invariant,
             self.penalties,
             *([self.thinking] if self.thinking is not None else []),
@@ -315,6 +319,8 @@ class Sampler:
         logits = logits.to(torch.float32)
         logits = self._run(self.allowed_token_ids, logits, rows)
         logits = self._run(self.bad_words, logits, rows)
+        if self.structured.rows:
+            logits = self._run(self.structured, logits, rows)
         for proc in self.logitsprocs.non_argmax_invariant:
             logits = self._run(proc, logits, rows)
         logits = self._run(self.penalties, logits, rows)

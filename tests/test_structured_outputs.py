@@ -1,0 +1,130 @@
+"""Structured outputs (xgrammar) as a processor: valid outputs, sharded, exact under spec decode."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from cluster.local_engine import LocalEngine
+from processors import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["cat", "dog", "fox"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                   "vip": {"type": "boolean"}},
+                  "required": ["age", "vip"], "additionalProperties": False},
+    },
+    "required": ["id", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+CHOICES = ["yes", "no", "maybe later"]
+REGEX = r"[A-Z][a-z]{2,5}-[0-9]{2}"
+PROMPTS = ["Hello there", "The quick brown fox", "café 你好", "Numbers like 0 1 2 3", "a b c a b c", "Think first",
+           "Unicode matters", "batch"]
+
+
+def constraint(i: int) -> dict | None:
+    return [{"json": SCHEMA, "disable_any_whitespace": True}, {"choice": CHOICES}, {"regex": REGEX}, None][i % 4]
+
+
+def params(i: int, greedy: bool) -> SamplingParams:
+    sampling = {"temperature": 0.0} if greedy else {"temperature": 0.9, "seed": i}
+    return SamplingParams(max_tokens=200, structured_outputs=constraint(i), **sampling)
+
+
+def check(i: int, out) -> None:
+    assert out.error is None, out.error
+    kind = constraint(i)
+    if kind is None:
+        return
+    assert out.finish_reason == "stop", (i, out.text)  # every constraint here is a finite language
+    if "json" in kind:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    elif "choice" in kind:
+        assert out.text in CHOICES
+    else:
+        assert re.fullmatch(REGEX, out.text), out.text
+
+
+def engine(workers: int = 1, spec: int = 0, **extra) -> LocalEngine:
+    config = {"model": {"tiny": "loopy", "max_model_len": 256},
+              "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1}, "cluster": {"num_workers": workers},
+              **extra}
+    if spec:
+        config["speculative"] = {"num_speculative_tokens": spec}
+    return LocalEngine(config)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_outputs_satisfy_their_constraint_sharded_and_with_spec(greedy):
+    batch = [params(i, greedy) for i in range(len(PROMPTS))]
+    reference = engine().generate(PROMPTS, batch)
+    for i, out in enumerate(reference):
+        check(i, out)
+    for workers, spec in ((2, 0), (2, 3)):
+        outs = engine(workers, spec).generate(PROMPTS, batch)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference], (workers, spec)
+
+
+def test_churn_of_constrained_and_free_requests_keeps_replicas_identical():
+    eng = engine(2, spec=2)
+    rng = random.Random(5)
+    pending = list(range(24))
+    finished = {}
+    ids = {}
+    while pending or eng.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                i = pending.pop(0)
+                ids[eng.add_request(PROMPTS[i % len(PROMPTS)], params(i, greedy=i % 3 == 0))] = i
+        for out in eng.step():  # the audit compares every replica's matcher state every step
+            if out.finished:
+                finished[ids[out.request_id]] = out
+    for i, out in finished.items():
+        check(i, out)
+    assert len(finished) == 24
+
+
+def test_length_before_the_grammar_ends_says_length():
+    out = engine().generate("x", SamplingParams(temperature=0.0, max_tokens=3, structured_outputs={"json": SCHEMA}))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_outputs.json"),
+    ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar"),
+])
+def test_a_bad_constraint_fails_only_its_request(bad, field):
+    outs = engine().generate(["x", "y"], [SamplingParams(max_tokens=4, structured_outputs=bad),
+                                          SamplingParams(max_tokens=4)])
+    assert outs[0].error and field in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 4
+
+
+def test_aliases_and_validation():
+    assert SamplingParams.from_dict({"guided_regex": "a+"}).structured_outputs.regex == "a+"
+    assert SamplingParams.from_dict({"guided_json": SCHEMA}).structured_outputs.json == SCHEMA
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams.from_dict({"structured_outputs": {"regex": "a", "choice": ["b"]}})
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        SamplingParams.from_dict({"guided_choice": ["a"], "guided_whitespace_pattern": " "})
+
+
+def test_with_reasoning_the_constraint_starts_after_thinking():
+    eng = engine(reasoning={"start": "<think>", "end": "</think>"})
+    out = eng.generate("Question: yes or no? <think>", SamplingParams(
+        temperature=0.0, max_tokens=40, thinking_token_budget=4, structured_outputs={"choice": CHOICES}))[0]
+    end = eng.tokenizer.convert_tokens_to_ids("</think>")
+    assert end in out.token_ids, out.token_ids
+    thinking, answer = out.token_ids[: out.token_ids.index(end)], out.token_ids[out.token_ids.index(end) + 1 :]
+    assert out.finish_reason == "stop" and len(thinking) == 4  # free tokens while thinking, then the end
+    assert eng.tokenizer.decode(answer, skip_special_tokens=True) in CHOICES, out.text
