@@ -157,11 +157,17 @@ class ReasoningSettings(_Section):
     end: str = "</think>"
 
 
+class StructuredOutputSettings(_Section):
+    # Compiled grammars kept per process (coordinator and each worker), least recently used evicted.
+    grammar_cache_size: int = Field(default=256, ge=1)
+
+
 class RaysampleConfig(_Section):
     model: ModelSettings
     cluster: ClusterSettings = ClusterSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     cache: CacheSettings = CacheSettings()
+    structured_outputs: StructuredOutputSettings = StructuredOutputSettings()
     processors: list[Union[str, type, ProcessorItem]] = Field(default_factory=list)
     # Load processors installed as plugins (entry-point groups vllm.logits_processors and
     # raysample.logits_processors) on every engine, as vLLM does.

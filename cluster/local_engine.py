@@ -63,6 +63,7 @@ class LocalEngine:
         """One engine step; returns the outputs of requests that changed."""
         plan = self.coordinator.next_plan()
         if plan is None:
+            self.coordinator.wait_for_grammars(0.05)
             return self.coordinator.take_outputs()
         try:
             results = [worker.step(plan) for worker in self.workers]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,7 @@ class Coordinator:
                  kv: KVSettings, seed: int = 0, custom_processors: Sequence[Any] = (),
                  consistency_check_every: int = 0, default_params: SamplingParams | None = None,
                  drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
-                 processors_from_entry_points: bool = True) -> None:
+                 processors_from_entry_points: bool = True, grammar_cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.reasoning_enabled = reasoning_enabled
@@ -120,6 +121,8 @@ class Coordinator:
         self._next_id = 0
         self._pending_outputs: dict[str, RequestGroup] = {}
         self._grammar_cache: GrammarCache | None = None
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self.grammar_cache_size = grammar_cache_size
 
     # ----- requests -----
 
@@ -159,6 +162,7 @@ class Coordinator:
             if error is not None:
                 request.finish(FinishReason.ERROR, error=error)
                 continue
+            request.grammar = self._compile_later(params)
             self.detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
             )
@@ -194,8 +198,6 @@ class Coordinator:
             params.update_from_generation_config(self.model.generation_config, self.model.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
             Sampler.validate(params, vocab)
-            if params.structured_outputs is not None:
-                self._grammars().get(params.structured_outputs)  # a bad schema fails here, for this request
             validate_logits_processors_parameters(self.custom_processors, params, self.processors_from_entry_points)
         except ValueError as exc:
             return str(exc)
@@ -206,8 +208,28 @@ class Coordinator:
 
     def _grammars(self) -> GrammarCache:
         if self._grammar_cache is None:
-            self._grammar_cache = GrammarCache(self.tokenizer, self.model.vocab_size)
+            self._grammar_cache = GrammarCache(self.tokenizer, self.model.vocab_size, self.grammar_cache_size)
         return self._grammar_cache
+
+    def _compile_later(self, params: SamplingParams) -> Future | None:
+        """Compile a new constraint off the step loop; the request is admitted once it is ready.
+
+        Compiling also validates: a bad schema, regex or grammar fails only its request."""
+        constraint = params.structured_outputs
+        if constraint is None or self._grammars().cached(constraint):
+            return None
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-grammar")
+        return self._compile_pool.submit(self._grammars().get, constraint)
+
+    def _fail_bad_constraints(self) -> None:
+        for request in [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.done()]:
+            error = request.grammar.exception()
+            request.grammar = None
+            if error is not None:
+                self.scheduler.waiting.remove(request)
+                request.finish(FinishReason.ERROR, error=str(error))
+                self._pending_outputs[request.group.request_id] = request.group
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (every completion of it) now; False if it is unknown or already finished."""
@@ -246,6 +268,12 @@ class Coordinator:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting) or self.batch.num_reqs > 0 or bool(self._to_remove)
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for a compiling constraint when nothing else can run."""
+        pending = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
+        if pending and self.batch.num_reqs == 0:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def num_running(self) -> int:
         return self.batch.num_reqs
@@ -312,6 +340,7 @@ class Coordinator:
 
     def next_plan(self) -> StepPlan | None:
         """Retire finished rows, schedule tokens and blocks, and describe the step; None when idle."""
+        self._fail_bad_constraints()
         finished = list(dict.fromkeys(self._to_remove))
         self._to_remove = []
         for rid in finished:
@@ -537,4 +566,5 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block
         ),
         reasoning_enabled=config.reasoning is not None,
         processors_from_entry_points=config.processors_from_entry_points,
+        grammar_cache_size=config.structured_outputs.grammar_cache_size,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
@@ -129,6 +130,7 @@ class Request:
     kv: KVState | None = None
     kv_owner: int | None = None  # worker whose blocks ``kv`` names
     num_preemptions: int = 0
+    grammar: Future | None = None  # compiling its structured-output constraint
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -155,6 +157,9 @@ class Request:
     def pinned_owner(self) -> int | None:
         """Siblings run where child 0 computed the prompt, to share its blocks."""
         return self.group.owner if self.group is not None and self.child_index > 0 else None
+
+    def constraint_ready(self) -> bool:
+        return self.grammar is None or self.grammar.done()
 
     def admissible(self) -> bool:
         return self.child_index == 0 or self.group is None or self.group.prompt_ready

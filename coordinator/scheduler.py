@@ -136,8 +136,11 @@ class Scheduler:
                     budget -= room
         # 4. admissions.
         rows = len(active)
-        while self.waiting and budget > 0 and rows < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or rows >= self.max_num_seqs:
+                break
+            if not request.constraint_ready():
+                continue  # its grammar is still compiling: later requests go first
             if request.request_id in preempted_ids or not request.admissible():
                 break
             owner = self._owner_for(request)
@@ -152,7 +155,7 @@ class Scheduler:
             if chunk == 0:
                 request.owner = None
                 break  # no blocks: wait for running requests to finish
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.load[owner] += 1
             out.admitted.append(request)
             self._grow(request, out, chunk)

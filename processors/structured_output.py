@@ -15,6 +15,7 @@ vLLM's reasoning-aware structured output does.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,16 +49,23 @@ class GrammarCache:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.capacity = capacity
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the coordinator compiles on a background thread
+
+    def cached(self, params: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return params.key() in self._compiled
 
     def get(self, params: StructuredOutputsParams) -> Any:
         key = params.key()
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         compiled = self._compile(params)
-        self._compiled[key] = compiled
-        while len(self._compiled) > self.capacity:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _compile(self, p: StructuredOutputsParams) -> Any:

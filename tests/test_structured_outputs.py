@@ -128,3 +128,34 @@ def test_with_reasoning_the_constraint_starts_after_thinking():
     thinking, answer = out.token_ids[: out.token_ids.index(end)], out.token_ids[out.token_ids.index(end) + 1 :]
     assert out.finish_reason == "stop" and len(thinking) == 4  # free tokens while thinking, then the end
     assert eng.tokenizer.decode(answer, skip_special_tokens=True) in CHOICES, out.text
+
+
+def test_a_compiling_grammar_does_not_hold_back_other_requests(monkeypatch):
+    """While a constraint compiles, requests behind it are admitted and run."""
+    import threading
+
+    from processors.structured_output import GrammarCache
+
+    release = threading.Event()
+    compile_ = GrammarCache._compile
+
+    def slow(self, params):
+        release.wait(30)
+        return compile_(self, params)
+
+    monkeypatch.setattr(GrammarCache, "_compile", slow)
+    eng = engine()
+    slow_id = eng.add_request("x", SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"choice": CHOICES}))
+    free_id = eng.add_request("y", SamplingParams(temperature=0.0, max_tokens=5))
+    done = {}
+    while free_id not in done:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert slow_id not in done and not eng.coordinator.rows[slow_id].finished  # still waiting, not blocking
+    release.set()
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[slow_id].text in CHOICES

@@ -101,6 +101,7 @@ class Sampler:
         is_pin_memory: bool = False,
         thinking: ThinkingBudgetStateHolder | None = None,
         entry_points: bool = True,
+        grammar_cache_size: int = 256,
     ) -> None:
         self.device = torch.device(device)
         self.thinking = thinking
@@ -108,7 +109,7 @@ class Sampler:
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
         reasoning = (thinking.start, thinking.end) if thinking is not None else None
-        self.structured = StructuredOutputLogitsProcessor(*args, reasoning=reasoning)
+        self.structured = StructuredOutputLogitsProcessor(*args, reasoning=reasoning, cache_size=grammar_cache_size)
         batch_level, slot_keyed = split_by_interface(load_custom_processors(custom_logitsprocs, entry_points))
         self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False,
                                              [ProcessorSpec(cls, kw) for cls, kw in batch_level], entry_points=False)

@@ -65,7 +65,8 @@ class Worker:
             thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
             engine_config = config.engine_config(model_path, runner.vocab_size, runner.max_model_len)
             sampler = Sampler(engine_config, device, config.custom_processors(), thinking=thinking,
-                              entry_points=config.processors_from_entry_points)
+                              entry_points=config.processors_from_entry_points,
+                              grammar_cache_size=config.structured_outputs.grammar_cache_size)
             if config.speculative is not None:
                 sampler.check_spec_decode_support()
             return sampler
