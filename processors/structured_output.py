@@ -83,9 +83,21 @@ class GrammarCache:
                 return self.compiler.compile_grammar(f"root ::= {alternatives}")
             if kind == "grammar":
                 return self.compiler.compile_grammar(p.grammar)
-            return self.compiler.compile_structural_tag(p.structural_tag)
+            return self._structural_tag(p.structural_tag)
         except Exception as exc:
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {type(exc).__name__}: {exc}") from None
+
+
+    def _structural_tag(self, text: str) -> Any:
+        """vLLM's format ({"structures": [{begin, schema, end}], "triggers": [...]}) or xgrammar's own."""
+        import xgrammar as xgr
+
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "structures" in tag:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                     for s in tag["structures"]]
+            return self.compiler.compile_structural_tag(items, tag.get("triggers", []))
+        return self.compiler.compile_structural_tag(text)
 
 
 @dataclass

@@ -159,3 +159,17 @@ def test_a_compiling_grammar_does_not_hold_back_other_requests(monkeypatch):
             if out.finished:
                 done[out.request_id] = out
     assert done[slow_id].text in CHOICES
+
+
+def test_structural_tag_in_vllms_format_and_yaml_defaults():
+    tag = json.dumps({"type": "structural_tag", "triggers": ["<a>"], "structures": [
+        {"begin": "<a>", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+         "end": "</a>"}]})
+    eng = engine(defaults={"guided_choice": CHOICES, "max_tokens": 30, "temperature": 0.0})
+    assert eng.generate("anything")[0].text in CHOICES  # a constraint from the config's defaults
+    out = eng.generate("x <a>", SamplingParams(max_tokens=20, structured_outputs={"structural_tag": tag}))[0]
+    assert out.error is None and len(out.token_ids) > 0
+    if "<a>" in out.text:  # text after a trigger follows the tag's schema
+        body = out.text.split("<a>", 1)[1]
+        if "</a>" in body:
+            assert isinstance(json.loads(body.split("</a>", 1)[0])["x"], int)
