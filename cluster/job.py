@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from cluster.config import ConfigError, RaysampleConfig, load_config
+from cluster.chat import load_tokenizer, render_chat
+from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
 from coordinator.request import CompletionOutput, RequestOutput
 from processors import SamplingParams
 
@@ -84,7 +86,7 @@ class BadLine(ValueError):
     """One input line cannot become a request; the job records it and goes on."""
 
 
-def parse_line(line: str, defaults: dict[str, Any]) -> tuple[Any, str | list[int], SamplingParams]:
+def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tuple[Any, str | list[int], SamplingParams]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -94,12 +96,20 @@ def parse_line(line: str, defaults: dict[str, Any]) -> tuple[Any, str | list[int
     if "id" not in record:
         raise BadLine("missing 'id'")
     rid = record["id"]
-    unknown = sorted(set(record) - {"id", "prompt", "prompt_token_ids", "sampling_params", "extra_args", "vllm_xargs"})
+    unknown = sorted(set(record) - {"id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs",
+                                    "sampling_params", "extra_args", "vllm_xargs"})
     if unknown:
         raise BadLine(f"unknown field(s) {unknown}")
-    has_text, has_ids = "prompt" in record, "prompt_token_ids" in record
-    if has_text == has_ids:
-        raise BadLine("give exactly one of 'prompt' or 'prompt_token_ids'")
+    given = [k for k in ("prompt", "prompt_token_ids", "messages") if k in record]
+    if len(given) != 1:
+        raise BadLine("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
+    has_text, has_ids = given == ["prompt"], given == ["prompt_token_ids"]
+    if given == ["messages"]:
+        try:
+            record["prompt_token_ids"] = render_chat(tokenizer(), record["messages"], record.get("chat_template_kwargs"))
+        except ValueError as exc:
+            raise BadLine(str(exc)) from None
+        has_ids = True
     prompt = record["prompt"] if has_text else record["prompt_token_ids"]
     if has_text and not isinstance(prompt, str):
         raise BadLine("'prompt' must be a string")
@@ -176,6 +186,73 @@ def already_written(path: Path) -> tuple[set[str], set[int]]:
     return ids, lines
 
 
+class GenerateFormat:
+    """raysample's JSONL: ``id`` and ``prompt`` / ``prompt_token_ids`` / ``messages``."""
+
+    def __init__(self, config: RaysampleConfig) -> None:
+        self.config = config
+
+    def tokenizer(self) -> Any:
+        model = self.config.model
+        return load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
+
+    def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
+        rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer)
+        return rid, rid, prompt, params
+
+    def peek(self, line: str) -> Any:
+        return _peek_id(line)
+
+    def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
+        return result_record(context, out)
+
+    def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
+        return error_record(rid, line_no, message)
+
+    def written(self, path: Path) -> tuple[set[str], set[int]]:
+        return already_written(path)
+
+
+class OpenAIBatchFormat(GenerateFormat):
+    """The OpenAI batch file format (``vllm run-batch``), keyed by ``custom_id``."""
+
+    def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
+        try:
+            request = parse_batch_line(line, self.tokenizer(), self.config.defaults)
+        except BatchLineError as exc:
+            raise BadLine(str(exc)) from None
+        return request.custom_id, request, request.prompt, request.params
+
+    def peek(self, line: str) -> Any:
+        try:
+            record = json.loads(line)
+            return record.get("custom_id") if isinstance(record, dict) else None
+        except json.JSONDecodeError:
+            return None
+
+    def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
+        name = self.config.model.path or f"tiny-{self.config.model.tiny}"
+        return response_line(context, out, self.tokenizer(), name)
+
+    def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
+        return error_line(rid if isinstance(rid, str) else None, message, line_no)
+
+    def written(self, path: Path) -> tuple[set[str], set[int]]:
+        ids: set[str] = set()
+        lines: set[int] = set()
+        if path.exists():
+            for line in path.open("r", encoding="utf-8"):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and record.get("line") is not None:
+                    lines.add(record["line"])
+                elif isinstance(record, dict) and record.get("custom_id") is not None:
+                    ids.add(json.dumps(record["custom_id"]))
+        return ids, lines
+
+
 def _open_for_append(path: Path) -> TextIO:
     """Append, first dropping a torn (unterminated) last line left by an interrupted run."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,8 +300,10 @@ class Progress:
 
 
 def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_path: Path,
-            max_in_flight: int, show: int = 0, log_every_s: float = 10.0) -> JobCounters:
-    already, reported_lines = already_written(output_path)
+            max_in_flight: int, show: int = 0, log_every_s: float = 10.0,
+            line_format: GenerateFormat | None = None) -> JobCounters:
+    fmt = line_format or GenerateFormat(config)
+    already, reported_lines = fmt.written(output_path)
     counters = JobCounters(total_lines=count_lines(input_path))
     progress = Progress(counters, log_every_s)
     seen: set[str] = set()
@@ -239,7 +318,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
         lines: Iterator[tuple[int, str]] = ((n, line) for n, line in enumerate(source, start=1) if line.strip())
         exhausted = False
         while not exhausted or in_flight:
-            batch: list[tuple[Any, Any, SamplingParams]] = []
+            batch: list[tuple[Any, Any, Any, SamplingParams]] = []
             while not exhausted and len(in_flight) + len(batch) < max_in_flight:
                 item = next(lines, None)
                 if item is None:
@@ -250,10 +329,13 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     counters.skipped += 1
                     continue
                 try:
-                    rid, prompt, params = parse_line(line, config.defaults)
+                    rid, context, prompt, params = fmt.parse(line)
                 except BadLine as exc:
-                    rid = _peek_id(line)
-                    write(error_record(rid, line_no, str(exc)))
+                    peeked = fmt.peek(line)
+                    if peeked is not None and json.dumps(peeked) in already:  # its error record is written
+                        counters.skipped += 1
+                        continue
+                    write(fmt.error(peeked, line_no, str(exc)))
                     counters.errors += 1
                     progress.advance()
                     continue
@@ -263,19 +345,19 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     counters.skipped += 1
                     continue
                 if key in seen:
-                    write(error_record(rid, line_no, f"duplicate id {rid!r}: an earlier line has it"))
+                    write(fmt.error(rid, line_no, f"duplicate id {rid!r}: an earlier line has it"))
                     counters.errors += 1
                     progress.advance()
                     continue
                 seen.add(key)
-                batch.append((rid, prompt, params))
+                batch.append((rid, context, prompt, params))
             if batch:
-                ids = backend.submit_many([p for _, p, _ in batch], [sp for _, _, sp in batch])
-                in_flight.update({eid: rid for eid, (rid, _, _) in zip(ids, batch)})
+                ids = backend.submit_many([p for _, _, p, _ in batch], [sp for _, _, _, sp in batch])
+                in_flight.update({eid: (rid, context) for eid, (rid, context, _, _) in zip(ids, batch)})
             if in_flight:
                 for out in backend.poll(list(in_flight), 1.0, True):
-                    rid = in_flight.pop(out.request_id)
-                    write(result_record(rid, out))
+                    rid, context = in_flight.pop(out.request_id)
+                    write(fmt.result(context, out))
                     counters.tokens += len(out.token_ids)
                     if out.error:
                         counters.errors += 1
@@ -309,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-in-flight", type=int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
     gen.add_argument("--show", type=int, default=0, help="print the first N results")
     gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
+    batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
+    batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
+    batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
+    batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
+                         ("--max-in-flight", {"type": int, "default": None}), ("--show", {"type": int, "default": 0}),
+                         ("--log-every", {"type": float, "default": 10.0})):
+        batch.add_argument(flag, **kwargs)
     return parser
 
 
@@ -337,8 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         print(f"[raysample] {backend.stats()['kv_cache']}", flush=True)
+        line_format = OpenAIBatchFormat(config) if args.command == "run-batch" else GenerateFormat(config)
         counters = run_job(config, backend, args.input, args.output,
-                           args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every)
+                           args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
+                           line_format)
         stats = backend.stats()
     except Exception as exc:
         print(f"raysample: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -19,7 +19,9 @@ GOOD = [
     {"id": "d", "prompt_token_ids": [45, 74, 81], "vllm_xargs": {"target_token": 7}, "sampling_params": {"max_tokens": 4}},
     {"id": "e", "prompt": "stop here", "sampling_params": {"temperature": 0.0, "max_tokens": 30, "stop": ["a"]}},
 ]
-GOOD.append({"id": "so", "prompt": "Pick", "sampling_params": {"guided_choice": ["red", "green"], "max_tokens": 8}})
+GOOD.append({"id": "chat", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": True},
+             "sampling_params": {"max_tokens": 4, "seed": 9}})
+GOOD.append({"id": "so", "prompt": "Pick", "sampling_params": {"guided_choice": ["red", "green"], "max_tokens": 8, "seed": 4}})
 GOOD.append({"id": "n3", "prompt": "three ways", "sampling_params": {"n": 3, "seed": 1, "max_tokens": 6, "logprobs": 0}})
 for i in range(6, 20):
     GOOD.append({"id": f"r{i}", "prompt": f"request {i}", "sampling_params": {"seed": i, "max_tokens": 8 + i}})
@@ -70,6 +72,7 @@ def test_generate_writes_results_and_error_records(job_files):
     assert by_id['"e"']["finish_reason"] in ("stop", "length") and "a" not in by_id['"e"']["text"]
     assert "outside the vocabulary" in by_id['"vocab"']["error"]
     assert by_id['"so"']["text"] in ("red", "green") and by_id['"so"']["finish_reason"] == "stop"
+    assert by_id['"chat"']["prompt_tokens"] > 5 and len(by_id['"chat"']["token_ids"]) == 4
     n3 = by_id['"n3"']
     assert [c["index"] for c in n3["outputs"]] == [0, 1, 2] and n3["token_ids"] == n3["outputs"][0]["token_ids"]
     assert all(len(c["token_ids"]) == 6 and len(c["logprobs"]) == 6 for c in n3["outputs"])
@@ -81,7 +84,7 @@ def test_generate_writes_results_and_error_records(job_files):
     assert any("missing 'id'" in m for m in messages)
     assert any("temperature must be in [0, 2], got -1" in m for m in messages)
     assert any("duplicate id 'a'" in m for m in messages)
-    assert any("exactly one of 'prompt' or 'prompt_token_ids'" in m for m in messages)
+    assert any("exactly one of 'prompt', 'prompt_token_ids' or 'messages'" in m for m in messages)
     assert all(r["timing"]["total_s"] >= 0 for r in by_id.values())
     assert "[raysample] summary:" in proc.stdout and "errors" in proc.stdout
     assert "requests, " in proc.stdout  # periodic progress lines when not on a terminal

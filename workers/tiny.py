@@ -18,6 +18,12 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<think>", "</think>"]
 
+# A small ChatML-like template so chat requests work offline; enable_thinking opens a <think> section.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% if enable_thinking %}<think>{% endif %}{% endif %}"
+)
+
 _BASE_TEXT = """\
 The quick brown fox jumps over the lazy dog. A batch of requests shares one
 forward pass; each request keeps its own cache and its own sampling settings.
@@ -43,7 +49,7 @@ class TinySpec:
     seed: int = 0
 
     def fingerprint(self) -> str:
-        blob = json.dumps({**asdict(self), "format": 2}, sort_keys=True).encode()
+        blob = json.dumps({**asdict(self), "format": 3}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -111,6 +117,7 @@ def build_tiny_model(spec: TinySpec, out_dir: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

@@ -1,0 +1,217 @@
+"""The OpenAI batch file format, as ``vllm run-batch`` reads and writes it.
+
+Input lines: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}``. Output lines: ``{"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error"}`` with an OpenAI
+``chat.completion`` / ``text_completion`` body (``n`` choices, usage,
+logprobs with token strings). A line that cannot run gets ``status_code``
+400 and the reason in ``error``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.chat import render_chat
+from coordinator.request import CompletionOutput, RequestOutput
+from processors import SamplingParams
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+# Body fields that map one to one onto SamplingParams (vLLM's OpenAI server accepts these too).
+_DIRECT = {"max_tokens", "temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty",
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "include_stop_str_in_output", "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar", "thinking_token_budget", "best_of"}
+_IGNORED = {"model", "user", "stream_options", "service_tier", "store", "metadata"}
+_REFUSED = {"tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+            "functions": "function calls are not supported", "suffix": "suffix is not supported",
+            "audio": "audio output is not supported", "modalities": "only text is supported"}
+
+
+class BatchLineError(ValueError):
+    """A batch line cannot run; ``custom_id`` when the line had one."""
+
+    def __init__(self, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
+
+
+@dataclass
+class BatchRequest:
+    custom_id: str
+    url: str
+    prompt: str | list[int]
+    params: SamplingParams
+    top_logprobs: int | None  # chat: logprobs=true asks for these alternatives per token
+    model: str | None
+
+
+def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any]) -> BatchRequest:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchLineError(f"not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise BatchLineError("each line must be a JSON object")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchLineError("missing or non-string 'custom_id'")
+    try:
+        return _parse(record, custom_id, tokenizer, defaults)
+    except BatchLineError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise BatchLineError(str(exc), custom_id) from None
+
+
+def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dict[str, Any]) -> BatchRequest:
+    unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}")
+    if record.get("method", "POST") != "POST":
+        raise ValueError(f"method must be POST, got {record.get('method')!r}")
+    url = record.get("url")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise ValueError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    body = record.get("body")
+    if not isinstance(body, dict):
+        raise ValueError("'body' must be an object")
+    chat = url == CHAT_URL
+    if body.get("stream"):
+        raise ValueError("stream is not supported in a batch")
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, [], False):
+            raise ValueError(f"body.{name}: {why}")
+    allowed = _DIRECT | _IGNORED | {"stream", "response_format", "vllm_xargs", "logit_bias", "logprobs"} | set(_REFUSED)
+    allowed |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"} if chat else {"prompt", "echo"}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ValueError(f"body has unknown field(s) {unknown}")
+    params: dict[str, Any] = dict(defaults)
+    params.update({k: v for k, v in body.items() if k in _DIRECT})
+    if body.get("logit_bias") is not None:
+        params["logit_bias"] = body["logit_bias"]
+    if body.get("vllm_xargs") is not None:
+        params["extra_args"] = body["vllm_xargs"]
+    top_logprobs = None
+    if chat:
+        if body.get("max_completion_tokens") is not None:
+            params["max_tokens"] = body["max_completion_tokens"]
+        if body.get("logprobs"):
+            top_logprobs = int(body.get("top_logprobs") or 0)
+            params["logprobs"] = top_logprobs
+        elif body.get("top_logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        prompt: str | list[int] = render_chat(tokenizer, body.get("messages"), body.get("chat_template_kwargs"))
+    else:
+        if body.get("echo"):
+            raise ValueError("body.echo: echoing the prompt is not supported")
+        if body.get("logprobs") is not None:
+            params["logprobs"] = body["logprobs"]
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            raise ValueError("body.prompt must be a string or a list of token ids")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        params["structured_outputs"] = _response_format(response_format)
+    return BatchRequest(custom_id, url, prompt, SamplingParams.from_dict(params), top_logprobs, body.get("model"))
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise ValueError("response_format.json_schema.schema is missing")
+        return {"json": schema}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "text":
+        return None
+    raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _chat_logprobs(tokenizer: Any, completion: CompletionOutput) -> dict[str, Any] | None:
+    if completion.logprobs is None:
+        return None
+    content = []
+    for lp in completion.logprobs:
+        text = _token_text(tokenizer, lp.sampled_token_id)
+        content.append({
+            "token": text, "logprob": lp.sampled_logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := _token_text(tokenizer, tok)), "logprob": v, "bytes": list(t.encode())}
+                             for tok, v in zip(lp.top_token_ids, lp.top_logprobs)],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(tokenizer: Any, completion: CompletionOutput) -> dict[str, Any] | None:
+    if completion.logprobs is None:
+        return None
+    tokens = [_token_text(tokenizer, lp.sampled_token_id) for lp in completion.logprobs]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.sampled_logprob for lp in completion.logprobs],
+        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                         for lp in completion.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _stable_id(prefix: str, custom_id: str) -> str:
+    return f"{prefix}-{hashlib.blake2b(custom_id.encode(), digest_size=12).hexdigest()}"
+
+
+def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, model_name: str) -> dict[str, Any]:
+    if out.error is not None:
+        return error_line(request.custom_id, out.error)
+    chat = request.url == CHAT_URL
+    choices = []
+    for c in out.outputs:
+        reason = c.finish_reason.value if c.finish_reason else None
+        if chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": _chat_logprobs(tokenizer, c), "finish_reason": reason,
+                            "stop_reason": c.stop_reason})
+        else:
+            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(tokenizer, c),
+                            "finish_reason": reason, "stop_reason": c.stop_reason})
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    body = {
+        "id": _stable_id("chatcmpl" if chat else "cmpl", request.custom_id),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": request.model or model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(out.prompt_token_ids) + completion_tokens},
+    }
+    return {"id": _stable_id("batch_req", request.custom_id), "custom_id": request.custom_id,
+            "response": {"status_code": 200, "request_id": _stable_id("req", request.custom_id), "body": body},
+            "error": None}
+
+
+def error_line(custom_id: str | None, message: str, line_no: int | None = None) -> dict[str, Any]:
+    record = {"id": _stable_id("batch_req", custom_id or f"line-{line_no}"), "custom_id": custom_id,
+              "response": {"status_code": 400, "request_id": _stable_id("req", custom_id or f"line-{line_no}"),
+                           "body": None},
+              "error": message}
+    if custom_id is None:
+        record["line"] = line_no
+    return record
