@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 def ensure_ray(config: RaysampleConfig) -> None:
     """Join the cluster the config names (``auto``, ``ray://host:port``, ``host:port``) or start one (``local``).
 
-    ``local`` joins the cluster of a Ray job instead when ``RAY_ADDRESS`` is set.
+    ``local`` joins the cluster of a Ray job instead when ``RAY_ADDRESS`` is set; otherwise it always
+    starts a private instance, even when another cluster runs on this host (``address="local"``).
     """
     if ray.is_initialized():
         return
@@ -29,7 +30,7 @@ def ensure_ray(config: RaysampleConfig) -> None:
     elif cluster.address == "local":
         # Logical CPUs: one per worker plus the coordinator, even on a small machine.
         needed = int(cluster.num_workers * cluster.cpus_per_worker) + 1
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
     else:
         ray.init(address=cluster.address, **kwargs)
 

@@ -60,3 +60,18 @@ def test_ray_job_submit_runs_the_batch_job(ray_head, tmp_path):
     assert set(records) == {*map(str, range(6)), "target"}
     assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
     assert records["target"]["token_ids"] == [9, 9, 9]
+
+
+def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_head, tmp_path):
+    """`ray start --head` is running on this host: `address: local` must not join it."""
+    _, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": "private", "sampling_params": {"seed": 1, "max_tokens": 4}}) + "\n")
+    output = tmp_path / "out.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.job", "generate", "--config", "configs/default.yaml", "--input", str(prompts),
+         "--output", str(output)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(json.loads(output.read_text())["token_ids"]) == 4
