@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any, Protocol, TextIO
 
 from cluster.config import ConfigError, RaysampleConfig, load_config
 from cluster.chat import load_tokenizer, render_chat
+from cluster.preflight import PreflightError, preflight
 from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
 from coordinator.request import CompletionOutput, RequestOutput
 from processors import SamplingParams
@@ -391,13 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-in-flight", type=int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
     gen.add_argument("--show", type=int, default=0, help="print the first N results")
     gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
+    gen.add_argument("--verbose", action="store_true", help="full tracebacks")
     batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
     batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
     batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
     batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
                          ("--max-in-flight", {"type": int, "default": None}), ("--show", {"type": int, "default": 0}),
-                         ("--log-every", {"type": float, "default": 10.0})):
+                         ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"})):
         batch.add_argument(flag, **kwargs)
     return parser
 
@@ -413,6 +416,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.input.exists():
         print(f"raysample: input {args.input} does not exist", file=sys.stderr)
         return 2
+    try:
+        preflight(config, args.local)
+    except PreflightError as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
     if args.overwrite and args.output.exists():
         args.output.unlink()
     try:
@@ -423,7 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             backend = Engine.from_config(config)
     except Exception as exc:
-        print(f"raysample: the engine could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+              " (--verbose shows the traceback)", file=sys.stderr)
         return 1
     try:
         print(f"[raysample] {backend.stats()['kv_cache']}", flush=True)

@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
-    """A GPU only when the config asks for one and this process can see one."""
-    if config.cluster.gpus_per_worker > 0 and torch.cuda.is_available():
+    """A GPU when the config asks for one; asking for one that this process cannot see is an error."""
+    if config.cluster.gpus_per_worker > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"cluster.gpus_per_worker={config.cluster.gpus_per_worker} but no GPU is visible "
+                               "to this process; set it to 0 to run on CPU")
         return torch.device("cuda", worker_id % torch.cuda.device_count())
     return torch.device("cpu")
 

@@ -1,0 +1,69 @@
+"""Checks on the driver before Ray or any worker starts: a bad job fails in seconds with one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.config import ProcessorItem, RaysampleConfig
+
+
+class PreflightError(ValueError):
+    """The job cannot run; the message is one line naming the cause."""
+
+
+def preflight(config: RaysampleConfig, local: bool) -> None:
+    _check_processors(config)
+    _check_model(config)
+    _check_gpus(config, local)
+
+
+def _check_processors(config: RaysampleConfig) -> None:
+    from processors.loading import load_custom_processors
+    from processors.request_level import _import
+
+    try:
+        load_custom_processors(config.custom_processors(), config.processors_from_entry_points)
+    except Exception as exc:
+        raise PreflightError(f"processors: {exc}") from None
+    for item in config.processors:
+        if isinstance(item, ProcessorItem) and item.request_level and isinstance(item.class_, str):
+            try:
+                target = _import(item.class_)
+            except Exception as exc:
+                raise PreflightError(f"processors: request-level {item.class_!r} cannot be imported "
+                                     f"({type(exc).__name__}: {exc})") from None
+            if not callable(target):
+                raise PreflightError(f"processors: request-level {item.class_!r} is not callable")
+
+
+def _check_model(config: RaysampleConfig) -> None:
+    path = config.model.path
+    if path is None or Path(path).is_dir():
+        return
+    if path.startswith((".", "/", "~")) or Path(path).suffix:
+        raise PreflightError(f"model.path {path!r} is not a directory")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return  # a hub id already in the local cache
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+    except Exception as exc:
+        raise PreflightError(f"model.path {path!r} is neither a local directory nor a reachable hub id "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _check_gpus(config: RaysampleConfig, local: bool) -> None:
+    cluster = config.cluster
+    if cluster.gpus_per_worker <= 0 or (not local and cluster.address != "local"):
+        return  # a remote cluster's GPUs are checked when the workers are placed
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = cluster.gpus_per_worker * cluster.num_workers
+    if visible < wanted:
+        where = "this process (--local)" if local else "this host (address: local)"
+        raise PreflightError(f"cluster.gpus_per_worker={cluster.gpus_per_worker} x {cluster.num_workers} workers needs "
+                             f"{wanted:g} GPU(s); {where} sees {visible}")
