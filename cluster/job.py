@@ -443,11 +443,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                            args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
                            line_format)
         stats = backend.stats()
+    except KeyboardInterrupt:
+        # Every result so far was written and flushed as it finished; nothing is torn.
+        print(f"\nraysample: interrupted; the results so far are in {args.output}. Re-running the same command "
+              "resumes where this run stopped.", file=sys.stderr, flush=True)
+        return 130
     except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
         print(f"raysample: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
-        backend.shutdown()
+        try:
+            backend.shutdown()
+        except KeyboardInterrupt:
+            pass
     elapsed = time.monotonic() - counters.started
     acceptance = stats.get("spec_acceptance")
     print(

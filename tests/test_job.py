@@ -124,3 +124,32 @@ def test_job_level_failures_exit_non_zero(tmp_path, job_files):
     assert invalid.returncode == 2 and "scheduler.max_num_seqs" in invalid.stderr
     no_input = run_cli("generate", "--config", str(config), "--input", str(tmp_path / "none.jsonl"), "--output", str(output))
     assert no_input.returncode == 2 and "does not exist" in no_input.stderr
+
+
+def test_ctrl_c_stops_cleanly_and_says_rerunning_resumes(tmp_path):
+    import signal
+    import time
+
+    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config["scheduler"]["max_num_seqs"] = 2
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    lines = [json.dumps({"id": i, "prompt": f"request {i}", "sampling_params": {"seed": i, "max_tokens": 24}})
+             for i in range(40)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    args = ["generate", "--config", str(tmp_path / "c.yaml"), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(output), "--local", "--log-every", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.job", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while (not output.exists() or len(output.read_text().splitlines()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Re-running the same command resumes" in err and "Traceback" not in err
+    partial = records(output)  # every line whole
+    assert 3 <= len(partial) < 40
+    resumed = run_cli(*args, module=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(r["id"] for r in records(output)) == list(range(40))
