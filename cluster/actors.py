@@ -16,6 +16,9 @@ class WorkerActor:
     def __init__(self, worker_id: int, config: dict[str, Any], model_path: str) -> None:
         import torch
 
+        from cluster.quiet import quiet_libraries
+
+        quiet_libraries()
         from cluster.config import load_config
         from workers.worker import Worker
 
@@ -49,7 +52,9 @@ class CoordinatorActor:
 
     def __init__(self, config: dict[str, Any]) -> None:
         from cluster.engine_core import EngineCore
+        from cluster.quiet import quiet_libraries
 
+        quiet_libraries()
         self.core = EngineCore(config)
 
     def ready(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ from typing import Any, Protocol, TextIO
 from cluster.config import ConfigError, RaysampleConfig, load_config
 from cluster.chat import load_tokenizer, render_chat
 from cluster.preflight import PreflightError, preflight
+from cluster.quiet import quiet_libraries
 from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
 from coordinator.request import CompletionOutput, RequestOutput
 from processors import SamplingParams
@@ -416,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.input.exists():
         print(f"raysample: input {args.input} does not exist", file=sys.stderr)
         return 2
+    if args.verbose:
+        os.environ["RAYSAMPLE_VERBOSE"] = "1"  # a private instance's engine processes inherit it
+    else:
+        quiet_libraries()
     try:
         preflight(config, args.local)
     except PreflightError as exc:
