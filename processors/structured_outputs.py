@@ -16,8 +16,11 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF / GBNF
     json_object: bool | None = None  # any JSON object
+    # xgrammar is the only backend: there is nothing to fall back to, so this changes nothing.
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
+    # xgrammar compiles schemas strictly (as vLLM's xgrammar backend does): an object without an
+    # explicit ``additionalProperties`` already admits no other keys, whatever this says.
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
