@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import RaysampleConfig, load_config
 from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
-from cluster.ray_cluster import ensure_ray
+from cluster.ray_cluster import check_cluster_resources, ensure_ray
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 
@@ -50,6 +50,7 @@ class Engine:
 
         config = load_config(source)
         ensure_ray(config)
+        check_cluster_resources(config)
         # The coordinator lives on this driver's node: losing another node never takes it down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = CoordinatorActor.options(

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TextIO
 
 from cluster.config import ConfigError, RaysampleConfig, load_config
 from cluster.chat import load_tokenizer, render_chat
+from cluster.job_paths import JobPathError, check_job_paths
 from cluster.preflight import PreflightError, preflight
 from cluster.quiet import quiet_libraries
 from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
@@ -272,6 +273,39 @@ def count_lines(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def pending_lines(fmt: GenerateFormat, input_path: Path, output_path: Path) -> tuple[int, int]:
+    """(input lines, lines without a record in the output yet): read before anything starts."""
+    already, reported_lines = fmt.written(output_path)
+    total = pending = 0
+    with input_path.open("r", encoding="utf-8") as source:
+        for line_no, line in enumerate(source, start=1):
+            if not line.strip():
+                continue
+            total += 1
+            if line_no in reported_lines:
+                continue
+            rid = fmt.peek(line)
+            if rid is None or json.dumps(rid) not in already:
+                pending += 1
+    return total, pending
+
+
+def describe_start(config: RaysampleConfig, local: bool) -> str:
+    """What is being started, said before the seconds it takes."""
+    model, cluster = config.model, config.cluster
+    name = model.path or f"tiny-{model.tiny}"
+    if local:
+        return f"{name} in this process (--local)"
+    device = f"{cluster.gpus_per_worker:g} GPU" if cluster.gpus_per_worker else f"{cluster.cpus_per_worker:g} CPU"
+    if cluster.address == "local" and os.environ.get("RAY_ADDRESS"):
+        where = "the Ray job's cluster"
+    elif cluster.address == "local":
+        where = "a private Ray instance"
+    else:
+        where = f"the Ray cluster at {cluster.address}"
+    return f"{name} on {cluster.num_workers} worker(s) of {device} each, on {where}"
+
+
 class Progress:
     """A tqdm bar on a terminal, log lines every ``every_s`` otherwise."""
 
@@ -412,12 +446,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
+        check_job_paths(args.input, args.output, args.config)
+    except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
-    if not args.input.exists():
-        print(f"raysample: input {args.input} does not exist", file=sys.stderr)
-        return 2
+    if args.overwrite and args.output.exists():
+        args.output.unlink()
+    line_format = OpenAIBatchFormat(config) if args.command == "run-batch" else GenerateFormat(config)
+    total, pending = pending_lines(line_format, args.input, args.output)
+    if pending == 0:
+        print(f"[raysample] nothing to do: all {total} lines of {args.input} already have a record in {args.output} "
+              "(--overwrite starts afresh)", flush=True)
+        return 0
     if args.verbose:
         os.environ["RAYSAMPLE_VERBOSE"] = "1"  # a private instance's engine processes inherit it
     else:
@@ -427,8 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PreflightError as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
-    if args.overwrite and args.output.exists():
-        args.output.unlink()
+    resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
+    print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
     try:
         if args.local:
             backend: Backend = LocalBackend(config)
@@ -444,7 +484,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         print(f"[raysample] {backend.stats()['kv_cache']}", flush=True)
-        line_format = OpenAIBatchFormat(config) if args.command == "run-batch" else GenerateFormat(config)
         counters = run_job(config, backend, args.input, args.output,
                            args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
                            line_format)

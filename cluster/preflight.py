@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from cluster.config import ProcessorItem, RaysampleConfig
@@ -24,16 +25,27 @@ def _check_processors(config: RaysampleConfig) -> None:
     try:
         load_custom_processors(config.custom_processors(), config.processors_from_entry_points)
     except Exception as exc:
-        raise PreflightError(f"processors: {exc}") from None
+        raise PreflightError(f"processors: {exc}{_shipping_hint(exc)}") from None
     for item in config.processors:
         if isinstance(item, ProcessorItem) and item.request_level and isinstance(item.class_, str):
             try:
                 target = _import(item.class_)
             except Exception as exc:
                 raise PreflightError(f"processors: request-level {item.class_!r} cannot be imported "
-                                     f"({type(exc).__name__}: {exc})") from None
+                                     f"({type(exc).__name__}: {exc}).{_shipping_hint(exc)}") from None
             if not callable(target):
                 raise PreflightError(f"processors: request-level {item.class_!r} is not callable")
+
+
+def _shipping_hint(exc: Exception) -> str:
+    """Under ``ray job submit`` a package outside --working-dir is invisible unless the job ships it."""
+    from cluster.job_paths import JOB_CONFIG_ENV
+
+    missing = isinstance(exc, ImportError) or isinstance(exc.__cause__, ImportError) or "No module named" in str(exc)
+    if not missing or JOB_CONFIG_ENV not in os.environ:
+        return ""
+    return (" A package outside --working-dir must be shipped with the job: "
+            "--runtime-env-json '{\"py_modules\": [\"/path/to/my_package\"]}' or '{\"pip\": [\"my-package\"]}'")
 
 
 def _check_model(config: RaysampleConfig) -> None:
@@ -57,8 +69,9 @@ def _check_model(config: RaysampleConfig) -> None:
 
 def _check_gpus(config: RaysampleConfig, local: bool) -> None:
     cluster = config.cluster
-    if cluster.gpus_per_worker <= 0 or (not local and cluster.address != "local"):
-        return  # a remote cluster's GPUs are checked when the workers are placed
+    joins_cluster = cluster.address != "local" or bool(os.environ.get("RAY_ADDRESS"))
+    if cluster.gpus_per_worker <= 0 or (not local and joins_cluster):
+        return  # a cluster's GPUs are checked against its resources as soon as Ray is joined
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

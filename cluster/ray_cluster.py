@@ -42,6 +42,18 @@ def worker_bundles(config: RaysampleConfig) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(config.cluster.num_workers)]
 
 
+def check_cluster_resources(config: RaysampleConfig) -> None:
+    """Fail in seconds, not after the placement timeout, when the cluster cannot ever hold the workers."""
+    have = ray.cluster_resources()
+    for resource, each in worker_bundles(config)[0].items():
+        wanted = each * config.cluster.num_workers
+        if have.get(resource, 0.0) < wanted:
+            raise RuntimeError(
+                f"{config.cluster.num_workers} workers x {each:g} {resource} need {wanted:g} {resource}; the Ray "
+                f"cluster has {have.get(resource, 0.0):g} in all (cluster.num_workers, "
+                f"cluster.{'gpus' if resource == 'GPU' else 'cpus'}_per_worker)")
+
+
 def create_worker_placement(config: RaysampleConfig, timeout_s: float) -> PlacementGroup:
     """One bundle per worker, with the config's strategy; fails clearly if it cannot be placed."""
     group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy)

@@ -108,6 +108,12 @@ def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_fil
     same = {json.dumps(r["id"]): r["token_ids"] for r in complete if "token_ids" in r}
     again = {json.dumps(r["id"]): r["token_ids"] for r in resumed if "token_ids" in r}
     assert same == again  # seeded and greedy requests regenerate identically
+    # Finished: a re-run (on Ray, without --local) reads the output and stops before starting anything.
+    before = output.read_text()
+    third = run_cli("generate", "--config", str(config), "--input", str(source), "--output", str(output))
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "nothing to do" in third.stdout and "starting" not in third.stdout and "Ray" not in third.stderr
+    assert output.read_text() == before
 
 
 def records_from_lines(lines: list[str]) -> list[dict]:

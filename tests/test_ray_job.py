@@ -1,4 +1,9 @@
-"""A real `ray job submit`: start a local head, submit the batch job with --working-dir, check its output."""
+"""`ray job submit` as a user runs it, on a head started the way Ray 2.60 starts one.
+
+`ray start --head` turns token authentication on when a token exists (``~/.ray/auth_token``, or
+``RAY_AUTH_TOKEN_PATH``); the job client then needs ``RAY_AUTH_MODE=token``, as the README says.
+One head serves every test here.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,14 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).parent / "ray")
+BIN = Path(sys.executable).parent
+RAY = str(BIN / "ray")
 
 
 def free_port() -> int:
@@ -21,24 +28,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
-def ray_head():
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A token-auth head; yields (dashboard address, the environment of a user who followed the README)."""
+    home = tmp_path_factory.mktemp("ray_home")
+    token = home / ".ray" / "auth_token"
+    # As a user's shell: the venv activated, RAY_AUTH_MODE unset, a token from an earlier ray.init().
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    base["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    generate = subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=60,
+                              env=base | {"HOME": str(home)})
+    assert generate.returncode == 0 and token.read_text().strip(), generate.stderr
+    base["RAY_AUTH_TOKEN_PATH"] = str(token)  # this test's own token, wherever HOME is
     port, dashboard = free_port(), free_port()
-    # A private loopback cluster for this test: no token auth, no inherited address.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     start = subprocess.run(
         [RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=4",
          "--include-dashboard=true", "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True, text=True, timeout=180, env=base,
     )
     assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
+    assert "Token authentication is enabled" in start.stdout + start.stderr
     try:
-        yield f"http://127.0.0.1:{dashboard}", env
+        yield f"http://127.0.0.1:{dashboard}", base
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=base)
 
 
-def test_ray_job_submit_runs_the_batch_job(ray_head, tmp_path):
+def submit(address: str, env: dict[str, str], entrypoint: list[str], *extra: str) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir . -- <entrypoint>` from the repository root, README style."""
+    return subprocess.run(
+        [RAY, "job", "submit", f"--address={address}", "--working-dir", ".", *extra, "--", *entrypoint],
+        capture_output=True, text=True, timeout=900, env=env | {"RAY_AUTH_MODE": "token"}, cwd=ROOT,
+    )
+
+
+def test_token_auth_is_on_and_the_client_needs_the_variable(ray_head):
+    address, env = ray_head
+    listing = subprocess.run([RAY, "job", "list", f"--address={address}"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert listing.returncode != 0 and "Authentication" in listing.stdout + listing.stderr
+    listing = subprocess.run([RAY, "job", "list", f"--address={address}"], capture_output=True, text=True,
+                             timeout=120, env=env | {"RAY_AUTH_MODE": "token"})
+    assert listing.returncode == 0, listing.stderr[-2000:]
+
+
+def test_ray_job_submit_as_the_readme_shows_it(ray_head, tmp_path):
     address, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(
@@ -47,21 +81,85 @@ def test_ray_job_submit_runs_the_batch_job(ray_head, tmp_path):
     ) + json.dumps({"id": "target", "prompt": "x", "extra_args": {"target_token": 9},
                     "sampling_params": {"max_tokens": 3}}) + "\n")
     output = tmp_path / "results.jsonl"
-    submit = subprocess.run(
-        [RAY, "job", "submit", f"--address={address}", "--working-dir", str(ROOT), "--",
-         sys.executable, "-m", "cluster.job", "generate", "--config", "configs/default.yaml",
-         "--input", str(prompts), "--output", str(output)],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-    )
-    log = submit.stdout[-4000:] + submit.stderr[-4000:]
-    assert submit.returncode == 0, log
+    run = submit(address, env, ["python", "-m", "cluster.job", "generate", "--config", "configs/default.yaml",
+                                "--input", str(prompts), "--output", str(output)])
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, log
     assert "succeeded" in log.lower()
-    full = submit.stdout + submit.stderr
+    full = run.stdout + run.stderr
     assert "Loading weights" not in full and "Tearing down compiled DAG" not in full  # quiet worker logs
+    assert "[raysample] starting tiny-default on 2 worker(s)" in full and "the Ray job's cluster" in full
     records = {str(r["id"]): r for r in map(json.loads, output.read_text().splitlines())}
     assert set(records) == {*map(str, range(6)), "target"}
     assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
     assert records["target"]["token_ids"] == [9, 9, 9]
+
+
+USER_PROCESSOR = '''
+import torch
+from processors import LogitsProcessor
+
+
+class OnlyToken(LogitsProcessor):
+    """Every row keeps one token: a package that lives outside the repository."""
+
+    def __init__(self, vllm_config, device, is_pin_memory, token_id=0):
+        self.token_id = token_id
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        kept = logits[:, self.token_id].clone()
+        logits[:] = float("-inf")
+        logits[:, self.token_id] = kept
+        return logits
+'''
+
+
+def test_a_processor_package_outside_the_repo_ships_with_py_modules(ray_head, tmp_path):
+    address, env = ray_head
+    package = tmp_path / "elsewhere" / "acme_processors"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(USER_PROCESSOR))
+    config = tmp_path / "acme.yaml"
+    config.write_text(textwrap.dedent("""
+        model: {tiny: default, dtype: float32, max_model_len: 128}
+        cluster: {address: local, num_workers: 1}
+        cache: {kv_cache_memory: 4MiB}
+        processors:
+          - class: acme_processors:OnlyToken
+            kwargs: {token_id: 11}
+    """))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}", "sampling_params": {"max_tokens": 4}}) + "\n"
+                               for i in range(3)))
+    entry = ["python", "-m", "cluster.job", "generate", "--config", str(config), "--input", str(prompts)]
+
+    # Not shipped: the driver says so in one line, before any worker starts.
+    missing = submit(address, env, entry + ["--output", str(tmp_path / "unshipped.jsonl")])
+    assert missing.returncode != 0
+    assert "acme_processors" in missing.stdout and "py_modules" in missing.stdout
+    assert "Traceback" not in missing.stdout
+
+    output = tmp_path / "results.jsonl"
+    shipped = submit(address, env, entry + ["--output", str(output)],
+                     "--runtime-env-json", json.dumps({"py_modules": [str(package)]}))
+    assert shipped.returncode == 0, shipped.stdout[-4000:] + shipped.stderr[-4000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 3 and all(r["token_ids"] == [11] * 4 for r in records)
+
+
+def test_a_relative_output_under_a_job_is_refused_with_what_to_pass(ray_head):
+    address, env = ray_head
+    run = submit(address, env, ["python", "-m", "cluster.job", "generate", "--config", "configs/default.yaml",
+                                "--input", "examples/prompts.jsonl", "--output", "results/lost.jsonl"])
+    assert run.returncode != 0
+    assert "--output results/lost.jsonl is relative" in run.stdout and "absolute path" in run.stdout
+    assert not (ROOT / "results" / "lost.jsonl").exists()
 
 
 def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_head, tmp_path):
@@ -76,4 +174,5 @@ def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "a private Ray instance" in run.stdout
     assert len(json.loads(output.read_text())["token_ids"]) == 4

@@ -1,0 +1,49 @@
+"""Input and output paths of a batch job, including under ``ray job submit --working-dir``.
+
+A job's driver runs in Ray's temporary copy of the working directory. A relative
+input is read from that copy (the file was uploaded with it), but a relative
+output would be written into the copy and deleted with it, so it is refused
+with a message that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint
+
+
+class JobPathError(ValueError):
+    """A path the job cannot use; one line saying why and what to pass."""
+
+
+def ray_job_working_dir() -> str | None:
+    """The ``working_dir`` URI of the Ray job this process is the entrypoint of, if any."""
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    working_dir = runtime_env.get("working_dir")
+    return str(working_dir) if working_dir else None
+
+
+def check_job_paths(input_path: Path, output_path: Path, config_path: Path) -> None:
+    under_job = ray_job_working_dir() is not None
+    if under_job and not output_path.is_absolute():
+        raise JobPathError(
+            f"--output {output_path} is relative: under `ray job submit --working-dir` the job runs in Ray's "
+            "temporary copy of the working directory, which is deleted when the job ends; pass an absolute path "
+            f"(e.g. --output \"$PWD/{output_path}\") on a filesystem the head node can write")
+    for flag, path in (("--input", input_path), ("--config", config_path)):
+        if path.exists():
+            continue
+        if under_job and not path.is_absolute():
+            raise JobPathError(
+                f"{flag} {path} is not in the job's copy of --working-dir (files that .gitignore excludes are "
+                "not uploaded); pass an absolute path the head node can read")
+        raise JobPathError(f"{flag} {path} does not exist")
