@@ -82,6 +82,7 @@ class JobCounters:
     errors: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
+    first_result: float | None = None
 
     def rate(self) -> float:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
@@ -394,6 +395,8 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                 in_flight.update({eid: (rid, context) for eid, (rid, context, _, _) in zip(ids, batch)})
             if in_flight:
                 for out in backend.poll(list(in_flight), 1.0, True):
+                    if counters.first_result is None:
+                        counters.first_result = time.monotonic()
                     rid, context = in_flight.pop(out.request_id)
                     write(fmt.result(context, out))
                     counters.tokens += len(out.token_ids)
@@ -469,12 +472,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
     print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
+    ray_up = time.monotonic()
     try:
         if args.local:
             backend: Backend = LocalBackend(config)
         else:
             from cluster.client import Engine
+            from cluster.ray_cluster import ensure_ray
 
+            ensure_ray(config)
+            ray_up = time.monotonic()
             backend = Engine.from_config(config)
     except Exception as exc:
         if args.verbose:
@@ -505,11 +512,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
     elapsed = time.monotonic() - counters.started
     acceptance = stats.get("spec_acceptance")
+    where = "the engine started (--local)" if args.local else "Ray was up"
+    first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
     print(
         f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
         f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
         f"= {counters.rate():.0f} tokens/s; spec acceptance "
-        + ("n/a" if acceptance is None else f"{acceptance:.0%}"),
+        + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
         flush=True,
     )
     return 0
