@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.audit import ConsistencyError, check_consistency
 from cluster.config import load_config
+from cluster.ray_metrics import EngineRayMetrics
 from cluster.ray_cluster import create_worker_placement
 from coordinator.coordinator import coordinator_from_config
 from coordinator.plan import StepPlan, StepResult
@@ -41,6 +42,8 @@ class EngineCore:
         self.placement = create_worker_placement(self.config, self.timeout_s)
         self.workers, (num_blocks, block_size) = self._start_workers()
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size)
+        self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
+                                            self.config.model.path or f"tiny-{self.config.model.tiny}")
         logger.info("%s", self.coordinator.kv_summary())
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         self._compile()
@@ -165,7 +168,8 @@ class EngineCore:
                 "workers_alive": len(self.workers),
                 "steps": m.steps,
                 "generated_tokens": m.generated_tokens,
-                "tokens_per_s": m.generated_tokens / elapsed,
+                "tokens_per_s": m.generation_rate.rate(),  # the last 10 s
+                "tokens_per_s_lifetime": m.generated_tokens / elapsed,
                 "spec_proposed": m.spec_proposed,
                 "spec_accepted": m.spec_accepted,
                 "spec_acceptance": m.spec_acceptance,
@@ -192,6 +196,7 @@ class EngineCore:
     # ----- the loop -----
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        self.ray_metrics.record_finished(outputs)
         for out in outputs:
             self.outputs.setdefault(out.request_id, []).append(out)
         if outputs:
@@ -203,9 +208,13 @@ class EngineCore:
                 if self._stop:
                     return
                 started = time.perf_counter()
+                m = self.coordinator.metrics
+                before = (m.generated_tokens, m.prefill_tokens, m.spec_proposed, m.spec_accepted)
                 plan = self.coordinator.next_plan() if self.fatal is None else None
                 if plan is None:
                     self._publish(self.coordinator.take_outputs())
+                    c = self.coordinator
+                    self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
                     self.lock.wait(0.05)
                     continue
             results = self._run_step(plan)
@@ -219,8 +228,16 @@ class EngineCore:
                     self._fail(f"replicas diverged, engine stopped: {exc}")
                     continue
                 self._publish(self.coordinator.process(plan, results))
+                step_s = time.perf_counter() - started
                 slowest = max((r.compute_s for r in results), default=0.0)
-                self.step_overhead_ms.append((time.perf_counter() - started - slowest) * 1000)
+                self.step_overhead_ms.append((step_s - slowest) * 1000)
+                self._record_step(step_s, before)
+
+    def _record_step(self, step_s: float, before: tuple[int, int, int, int]) -> None:
+        m, c = self.coordinator.metrics, self.coordinator
+        after = (m.generated_tokens, m.prefill_tokens, m.spec_proposed, m.spec_accepted)
+        self.ray_metrics.record_step(step_s, *(a - b for a, b in zip(after, before)))
+        self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
 
     def _run_step(self, plan: StepPlan) -> list[StepResult] | None:
         if self._graph is not None:

@@ -68,6 +68,7 @@ class LocalBackend:
     def stats(self) -> dict[str, Any]:
         m = self.engine.coordinator.metrics
         return {"spec_acceptance": m.spec_acceptance, "generated_tokens": m.generated_tokens,
+                "tokens_per_s": m.generation_rate.rate(),
                 **self.engine.coordinator.kv_stats(), "kv_cache": self.engine.coordinator.kv_summary()}
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ from coordinator.request import (
     RequestOutput,
     RequestStatus,
 )
+from coordinator.rates import WindowedRate
 from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
@@ -44,6 +45,7 @@ class EngineMetrics:
     spec_accepted: int = 0
     prefill_tokens: int = 0  # tokens computed for prompts (and recomputed outputs), not decode tokens
     started: float = field(default_factory=time.monotonic)
+    generation_rate: WindowedRate = field(default_factory=WindowedRate)  # output tokens/s, last 10 s
 
     @property
     def spec_acceptance(self) -> float | None:
@@ -421,6 +423,7 @@ class Coordinator:
                 by_row[start + i] = (tokens, lps)
         last_tokens = []
         now = time.monotonic()
+        generated_before = self.metrics.generated_tokens
         for row, entry in enumerate(self.batch.entries()):
             request = self.rows[entry.request_id]
             if request.finished:  # aborted while the step ran
@@ -449,6 +452,7 @@ class Coordinator:
                 self._to_remove.append(request.request_id)
         self._last_tokens = last_tokens
         self.metrics.steps += 1
+        self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:

@@ -59,7 +59,9 @@ def workload() -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
+    # Metrics reach the node's Prometheus endpoint every 0.5 s instead of Ray's default 10 s.
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 8, "_system_config": {"metrics_report_interval_ms": 500}})
     tests_dir = os.path.dirname(os.path.abspath(__file__))  # test-only processors, importable in actors
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address=cluster.address, namespace="raysample-tests", runtime_env={"env_vars": {"PYTHONPATH": path}})
@@ -223,3 +225,47 @@ def test_a_failing_processor_fails_only_its_requests_on_ray(ray_cluster):
         assert engine.stats()["error"] is None
     finally:
         engine.shutdown()
+
+
+def scrape(engine_name: str) -> dict[str, float]:
+    """Ray's Prometheus endpoint on the head: raysample samples of one engine, name{finish_reason} -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("ray_raysample_") and sample.labels.get("engine") == engine_name:
+                reason = sample.labels.get("finish_reason")
+                samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
+    return samples
+
+
+def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
+    engine = start("metrics-engine", cluster={"num_workers": 1})
+    try:
+        outs = engine.generate(PROMPTS[:4], workload()[:4])
+        stats = engine.stats()
+        generated = sum(len(o.token_ids) for o in outs)
+        assert stats["generated_tokens"] == generated and stats["tokens_per_s"] > 0
+        deadline, samples = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:  # a last step may still drop finished rows from the workers
+            samples, stats = scrape("metrics-engine"), engine.stats()
+            if (samples.get("ray_raysample_generated_tokens_total") == generated
+                    and samples.get("ray_raysample_step_seconds_count") == stats["steps"]):
+                break
+            time.sleep(0.5)
+        assert samples.get("ray_raysample_generated_tokens_total") == generated, samples
+        assert samples["ray_raysample_requests_finished_total{length}"] == 4
+        assert samples["ray_raysample_spec_proposed_tokens_total"] == stats["spec_proposed"] > 0
+        assert samples["ray_raysample_spec_accepted_tokens_total"] == stats["spec_accepted"]
+        assert samples["ray_raysample_prefill_tokens_total"] >= sum(len(o.prompt_token_ids) for o in outs)
+        assert samples["ray_raysample_step_seconds_count"] == stats["steps"]
+        for gauge in ("requests_running", "requests_waiting", "kv_cache_usage", "generation_tokens_per_second"):
+            assert f"ray_raysample_{gauge}" in samples
+    finally:
+        engine.shutdown()
+
