@@ -20,7 +20,7 @@ def preflight(config: RaysampleConfig, local: bool) -> None:
 
 def _check_processors(config: RaysampleConfig) -> None:
     from processors.loading import load_custom_processors
-    from processors.request_level import _import
+    from processors.request_level import import_target
 
     try:
         load_custom_processors(config.custom_processors(), config.processors_from_entry_points)
@@ -29,7 +29,7 @@ def _check_processors(config: RaysampleConfig) -> None:
     for item in config.processors:
         if isinstance(item, ProcessorItem) and item.request_level and isinstance(item.class_, str):
             try:
-                target = _import(item.class_)
+                target = import_target(item.class_)
             except Exception as exc:
                 raise PreflightError(f"processors: request-level {item.class_!r} cannot be imported "
                                      f"({type(exc).__name__}: {exc}).{_shipping_hint(exc)}") from None

@@ -1,14 +1,18 @@
 """Incremental detokenization with stop strings.
 
-Text grows token by token without re-decoding the whole output: only the
-tokens since the last emitted boundary are decoded, with a few earlier tokens
-as context (so spacing comes out as in a full decode), and nothing is emitted
-while the tail is an incomplete UTF-8 sequence.
+Text grows token by token without re-decoding the whole output. With a Rust
+(fast) tokenizer that is ``tokenizers.decoders.DecodeStream``, primed with the
+last prompt tokens so spacing comes out as in a full decode; it holds back an
+incomplete UTF-8 sequence until a later token completes it. Tokenizers without
+a Rust backend (or whose transformers wrapper cleans up spaces) decode the
+tokens since the last boundary with a few tokens of context instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
@@ -25,6 +29,8 @@ class IncrementalDetokenizer:
         self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
+        self._stream = (DecodeStream(ids=self.tokens, skip_special_tokens=skip_special_tokens)
+                        if self._backend is not None else None)
         self.text = ""
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
@@ -38,6 +44,13 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completed (maybe empty)."""
         self.tokens.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if not delta:
+                return ""
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+            return delta
         before = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset :])
         if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
@@ -48,7 +61,7 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """At the end, emit whatever is pending, even an incomplete character."""
+        """At the end, emit whatever is pending, even an incomplete character (the stream never would)."""
         before = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset :])
         delta = after[len(before) :] if len(after) > len(before) else ""

@@ -12,9 +12,10 @@ cannot be imported is a ``RuntimeError``, a missing attribute an
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import logging
+import pkgutil
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -93,17 +94,17 @@ def resolve_fqcn(name: str) -> type[LogitsProcessor]:
             f"Logits processor {name!r} is not a fully qualified class name; expected 'pkg.module:ClassName'."
         )
     try:
-        obj: Any = importlib.import_module(module_path)
+        obj: Any = pkgutil.resolve_name(name)
+    except AttributeError as exc:
+        if module_path not in sys.modules:  # raised while importing the module itself
+            raise LogitsProcessorImportError(
+                f"Logits processor {name!r}: module {module_path!r} could not be imported ({type(exc).__name__}: {exc})."
+            ) from exc
+        raise LogitsProcessorAttributeError(f"Logits processor {name!r}: {exc}.") from exc
     except Exception as exc:
         raise LogitsProcessorImportError(
             f"Logits processor {name!r}: module {module_path!r} could not be imported ({type(exc).__name__}: {exc})."
         ) from exc
-    for attr in qualname.split("."):
-        if not hasattr(obj, attr):
-            raise LogitsProcessorAttributeError(
-                f"Logits processor {name!r}: {getattr(obj, '__name__', module_path)!r} has no attribute {attr!r}."
-            )
-        obj = getattr(obj, attr)
     return _check_class(obj, name)
 
 

@@ -11,7 +11,7 @@ model's tokenizer is passed as ``tokenizer``.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from functools import cache
 from typing import Any
 
@@ -28,12 +28,9 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _import(target: str) -> Any:
-    module_path, _, qualname = target.partition(":") if ":" in target else target.rpartition(".")
-    obj: Any = importlib.import_module(module_path)
-    for attr in qualname.split("."):
-        obj = getattr(obj, attr)
-    return obj
+def import_target(target: str) -> Any:
+    """``"pkg.module:Qualified.name"`` or ``"pkg.module.name"`` -> the object."""
+    return pkgutil.resolve_name(target)
 
 
 class RequestLevelAdapter(AdapterLogitsProcessor):
@@ -42,7 +39,7 @@ class RequestLevelAdapter(AdapterLogitsProcessor):
                  tokenizer_arg: str = "tokenizer") -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         try:
-            self.factory = _import(target) if isinstance(target, str) else target
+            self.factory = import_target(target) if isinstance(target, str) else target
         except (ImportError, AttributeError, ValueError) as exc:
             raise ValueError(f"request-level processor {target!r} could not be imported: {exc}") from exc
         if not callable(self.factory):

@@ -216,3 +216,37 @@ def test_max_model_len_caps_generation():
     prompt = list(range(10, 30))
     out = engine.generate(prompt, SamplingParams(seed=0, max_tokens=100, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == FinishReason.LENGTH
+
+
+class _SlowOnly:
+    """The tokenizer without its Rust backend: the detokenizer's fallback path."""
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_streamed_text_equals_a_full_decode_on_both_paths(engine):
+    """DecodeStream (Rust tokenizers) and the offset fallback both reproduce a full decode of any tokens."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from coordinator.detokenizer import IncrementalDetokenizer
+
+    tok = engine.tokenizer
+    prompt = tok.encode("Context: ", add_special_tokens=False)
+    vocab = len(tok)
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), st.booleans())
+    def check(ids, skip_special):
+        full = tok.decode(prompt + ids, skip_special_tokens=skip_special)[len(tok.decode(prompt, skip_special_tokens=skip_special)):]
+        for source in (tok, _SlowOnly(tok)):
+            detok = IncrementalDetokenizer(source, prompt, skip_special_tokens=skip_special)
+            assert (detok._stream is not None) == (source is tok)
+            text = "".join(detok.push(t) for t in ids) + detok.flush()
+            assert text == detok.text == full
+
+    check()

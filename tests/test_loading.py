@@ -231,3 +231,11 @@ def test_builtins_accept_any_duck_typed_config():
     procs = build_logitsprocs(AnyConfig(), torch.device("cpu"), False)
     assert len(procs) == 3
     assert [type(p).__name__ for p in procs.argmax_invariant] == ["MinPLogitsProcessor"]
+
+
+def test_an_attribute_error_inside_the_module_is_an_import_failure(tmp_path, monkeypatch):
+    (tmp_path / "raysample_broken_on_import.py").write_text("import os\nos.no_such_function()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="module 'raysample_broken_on_import' could not be imported") as info:
+        build_logitsprocs(engine_config(), "cpu", False, custom=["raysample_broken_on_import:Proc"])
+    assert not isinstance(info.value, AttributeError)
