@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -68,6 +69,14 @@ class CoordinatorActor:
 
     def poll(self, request_ids: list[str], timeout_s: float, finished_only: bool = False) -> list[Any]:
         return self.core.poll(request_ids, timeout_s, finished_only)
+
+    def stream(self, request_id: str, wait_s: float = 30.0) -> Iterator[Any]:
+        """A Ray streaming generator: each output as soon as the step loop publishes it."""
+        while True:
+            for out in self.core.poll([request_id], wait_s):
+                yield out
+                if out.finished:
+                    return
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

@@ -112,18 +112,29 @@ class Engine:
         return [final[rid] for rid in ids]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """``async for out in engine.stream(prompt, params)``: outputs as the request gains text."""
+        """``async for out in engine.stream(prompt, params)``: each output as the step loop makes it.
+
+        A Ray streaming generator on the coordinator pushes outputs as they are published;
+        leaving the loop early aborts the request, as vLLM does when a stream is dropped.
+        """
         loop = asyncio.get_running_loop()
         request_id = await loop.run_in_executor(None, self.submit, prompt, params)
-        while True:
-            try:
-                outs = await self._actor.poll.remote([request_id], POLL_S)
-            except ray.exceptions.RayTaskError as exc:
-                raise EngineError(str(getattr(exc, "cause", None) or exc)) from None
-            for out in outs:
+        finished = False
+        try:
+            async for ref in self._actor.stream.options(num_returns="streaming").remote(request_id):
+                try:
+                    out = await ref
+                except ray.exceptions.RayTaskError as exc:
+                    raise EngineError(str(getattr(exc, "cause", None) or exc)) from None
+                except ray.exceptions.RayActorError as exc:
+                    raise EngineError(f"the raysample coordinator is gone: {exc}") from None
+                finished = out.finished
                 yield out
-                if out.finished:
+                if finished:
                     return
+        finally:
+            if not finished:
+                await loop.run_in_executor(None, self.abort, request_id)
 
     def stats(self) -> dict[str, Any]:
         return _call(self._actor.stats.remote(), self.timeout_s)

@@ -49,6 +49,7 @@ class EngineCore:
         self._compile()
         self.lock = threading.Condition()
         self.outputs: dict[str, list[RequestOutput]] = {}
+        self.finished: dict[str, int] = {}  # requests by finish reason
         self.fatal: str | None = None
         self.step_overhead_ms: deque[float] = deque(maxlen=1000)
         self.recoveries = 0
@@ -167,6 +168,7 @@ class EngineCore:
                 "waiting": self.coordinator.num_waiting(),
                 "workers_alive": len(self.workers),
                 "steps": m.steps,
+                "finished": dict(self.finished),
                 "generated_tokens": m.generated_tokens,
                 "tokens_per_s": m.generation_rate.rate(),  # the last 10 s
                 "tokens_per_s_lifetime": m.generated_tokens / elapsed,
@@ -198,6 +200,9 @@ class EngineCore:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.ray_metrics.record_finished(outputs)
         for out in outputs:
+            if out.finished:
+                reason = "error" if out.error else (out.finish_reason.value if out.finish_reason else "unknown")
+                self.finished[reason] = self.finished.get(reason, 0) + 1
             self.outputs.setdefault(out.request_id, []).append(out)
         if outputs:
             self.lock.notify_all()

@@ -192,6 +192,19 @@ def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
         outs = asyncio.run(collect())
         assert outs[-1].finished and len(outs[-1].token_ids) == 12
         assert "".join(o.new_text for o in outs) == outs[-1].text
+        assert len(outs) > 1 and not any(o.finished for o in outs[:-1])  # pushed step by step, not at the end
+
+        async def first_two():
+            got = []
+            async for out in engine.stream("Hello", SamplingParams(seed=4, max_tokens=150, ignore_eos=True)):
+                got.append(out)
+                if len(got) == 2:
+                    break  # the consumer goes away: the request is aborted, not left running
+            return got
+
+        aborted_before = engine.stats()["finished"].get("abort", 0)
+        assert len(asyncio.run(first_two())) == 2
+        assert engine.stats()["finished"].get("abort", 0) == aborted_before + 1
         rid = engine.submit("Hello", SamplingParams(seed=1, max_tokens=150, ignore_eos=True))
         time.sleep(0.3)
         assert engine.abort(rid)
