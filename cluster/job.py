@@ -407,7 +407,8 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                         counters.done += 1
                     if shown < show:
                         shown += 1
-                        print(f"[raysample] {rid!r} ({out.finish_reason.value}): {out.text!r}", flush=True)
+                        shown_text = f"error: {out.error}" if out.error else repr(out.text)
+                        print(f"[raysample] {rid!r} ({out.finish_reason.value}): {shown_text}", flush=True)
                     progress.advance()
     progress.close()
     return counters

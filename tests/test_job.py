@@ -60,8 +60,10 @@ def records(path: Path) -> list[dict]:
 def test_generate_writes_results_and_error_records(job_files):
     config, source, output = job_files
     proc = run_cli("generate", "--config", str(config), "--input", str(source), "--output", str(output), "--local",
-                   "--log-every", "0")
+                   "--log-every", "0", "--show", "100")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'vocab' (error): error: " in proc.stdout and "outside the vocabulary" in proc.stdout  # --show says why
+    assert "'c' (length): " in proc.stdout
     out = records(output)
     by_id = {json.dumps(r["id"]): r for r in out if r.get("line") is None}
     assert set(by_id) == {json.dumps(r["id"]) for r in GOOD} | {json.dumps("bad-params"), json.dumps("vocab")} - {
