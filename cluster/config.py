@@ -28,6 +28,7 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(default=None, ge=2)
     trust_remote_code: bool = False
+    max_logprobs: int = Field(default=20, ge=-1)  # as vLLM: the most logprobs a request may ask; -1 = vocabulary
     # CPU float32: reorder linear weights once for oneDNN (2-3x faster matmuls here).
     cpu_weight_prepack: bool = True
 

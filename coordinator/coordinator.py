@@ -98,8 +98,10 @@ class Coordinator:
                  kv: KVSettings, seed: int = 0, custom_processors: Sequence[Any] = (),
                  consistency_check_every: int = 0, default_params: SamplingParams | None = None,
                  drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
-                 processors_from_entry_points: bool = True, grammar_cache_size: int = 256) -> None:
+                 processors_from_entry_points: bool = True, grammar_cache_size: int = 256,
+                 max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.drafter = drafter
         self.reasoning_enabled = reasoning_enabled
         self.metrics = EngineMetrics()
@@ -191,6 +193,10 @@ class Coordinator:
         if len(prompt_ids) >= limit:
             return (f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
                     "which leaves no room to generate")
+        cap = vocab if self.max_logprobs == -1 else min(self.max_logprobs, vocab)
+        if params.logprobs is not None and params.logprobs > cap:
+            return (f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {cap} "
+                    "(model.max_logprobs, at most the vocabulary)")
         if params.thinking_token_budget is not None and not self.reasoning_enabled:
             return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
         if params.n > self.scheduler.rows_per_worker:
@@ -558,6 +564,7 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         ),
         seed=config.scheduler.seed,
+        max_logprobs=config.model.max_logprobs,
         custom_processors=config.custom_processors(),
         consistency_check_every=config.scheduler.consistency_check_every,
         default_params=SamplingParams.from_dict(config.defaults),

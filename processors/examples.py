@@ -49,7 +49,7 @@ class DummyLogitsProcessor(LogitsProcessor):
             return
         for index, params, _, _ in batch_update.added:
             target = _target_token(params)
-            if target:
+            if target is not None:  # token 0 is a token (vLLM's example tests truthiness and drops it)
                 self.req_info[index] = target
             else:
                 self.req_info.pop(index, None)

@@ -191,7 +191,9 @@ class SamplingParams:
             raise _fail("top_k", f"must be 0 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= number("min_p") <= 1.0:
             raise _fail("min_p", f"must be in [0, 1], got {self.min_p}.")
-        integer("seed", optional=True)
+        seed = integer("seed", optional=True)
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise _fail("seed", f"must be in [-2**63, 2**64) (a 64-bit seed, as torch.manual_seed takes), got {seed}.")
         max_tokens = integer("max_tokens", optional=True)
         if max_tokens is not None and max_tokens < 1:
             raise _fail("max_tokens", f"must be at least 1, got {max_tokens}.")
@@ -234,6 +236,7 @@ class SamplingParams:
         """Key of this row's random stream: its seed (else the key derived at admission), mixed
         with the completion index for the siblings of an ``n > 1`` request (index 0 keeps it)."""
         base = self.seed if self.seed is not None else (self._request_key if self._request_key is not None else 0)
+        base = (base + 2**63) % 2**64 - 2**63  # one int64 key per 64-bit seed (2**64 - 1 and -1 agree, as in torch)
         if self._child_index == 0:
             return base
         digest = hashlib.blake2b(f"{base}:{self._child_index}".encode(), digest_size=8).digest()

@@ -54,3 +54,37 @@ class BoomV2(mrv2.LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, ctx: mrv2.LogitsContext) -> torch.Tensor:
         raise RuntimeError("slot-keyed processor exploded")
+
+
+class WrongShape(LogitsProcessor):
+    """``boom: "shape"``: returns a narrowed tensor while a tagged request is in the batch."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.tagged: dict[int, bool] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "shape" else None)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :100] if self.tagged else logits
+
+
+class BoomWhenCrowded(LogitsProcessor):
+    """``boom: "crowd"``: raises only while two tagged requests share the batch (no one alone is to blame)."""
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.tagged: dict[int, bool] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "crowd" else None)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if len(self.tagged) >= 2:
+            raise RuntimeError("crowded")
+        return logits

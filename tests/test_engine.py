@@ -189,6 +189,26 @@ def test_bad_requests_fail_alone(engine):
     assert all(o.finish_reason == FinishReason.ERROR for i, o in enumerate(outs) if i != 2)
 
 
+def test_admission_checks_ranges_and_token_zero_is_a_target(engine):
+    vocab = engine.coordinator.model.vocab_size
+    outs = engine.generate(
+        ["Hello"] * 5,
+        [
+            SamplingParams(max_tokens=3, logprobs=vocab + 1),
+            SamplingParams(max_tokens=3, logprobs=21),  # model.max_logprobs = 20, as vLLM
+            SamplingParams(max_tokens=3, logprobs=20, seed=1),
+            SamplingParams(max_tokens=3, seed=2**64 - 1, ignore_eos=True),
+            SamplingParams(max_tokens=3, extra_args={"target_token": 0}),
+        ],
+    )
+    assert "greater than max allowed: 20" in outs[0].error and "greater than max allowed: 20" in outs[1].error
+    assert outs[2].error is None and len(outs[2].outputs[0].logprobs[0].top_token_ids) == 20
+    assert outs[3].error is None and len(outs[3].token_ids) == 3  # an unsigned 64-bit seed is fine
+    assert outs[4].token_ids == [0, 0, 0]
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=2**64)
+
+
 def test_custom_processor_only_on_requests_that_enable_it(engine):
     outs = engine.generate(
         ["Hello", "Hello", "The quick"],

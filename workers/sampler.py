@@ -68,6 +68,21 @@ class LogitsProcessorError(RuntimeError):
         return type(self), (self.args[0], self.rows)
 
 
+def check_logits(out: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a processor returns must be logits like its input: same shape, dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"apply returned {type(out).__name__}, not a tensor")
+    if out.shape != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(f"apply returned a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}; "
+                         f"expected {dtype} {tuple(shape)} on {device}")
+    return out
+
+
+def checked_apply(proc: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
+    shape, dtype, device = logits.shape, logits.dtype, logits.device
+    return check_logits(proc.apply(logits), shape, dtype, device)
+
+
 @dataclass
 class TokenLogprobs:
     """Logprobs of one sampled position, from the raw (unprocessed) logits."""
@@ -106,11 +121,13 @@ class Sampler:
         self.device = torch.device(device)
         self.thinking = thinking
         args = (config, self.device, is_pin_memory)
+        self._constructor_args = args
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
         self.bad_words = BadWordsLogitsProcessor(*args)
         reasoning = (thinking.start, thinking.end) if thinking is not None else None
         self.structured = StructuredOutputLogitsProcessor(*args, reasoning=reasoning, cache_size=grammar_cache_size)
         batch_level, slot_keyed = split_by_interface(load_custom_processors(custom_logitsprocs, entry_points))
+        self._custom_kwargs = [(cls, kw) for cls, kw in batch_level]  # to rebuild one alone when it fails
         self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False,
                                              [ProcessorSpec(cls, kw) for cls, kw in batch_level], entry_points=False)
         self.slot_processors = SlotProcessorHost(config, self.device, slot_keyed)
@@ -125,6 +142,8 @@ class Sampler:
                 "num_logprobs": (np.int64, -1),  # -1: not asked
                 "prompt_len": (np.int64, 0),
                 "output": (object, None),
+                "params": (object, None),
+                "prompt": (object, None),
             },
         )
 
@@ -153,6 +172,8 @@ class Sampler:
             "num_logprobs": -1 if params.logprobs is None else params.logprobs,
             "prompt_len": len(prompt) if prompt is not None else 0,
             "output": output,
+            "params": params,
+            "prompt": prompt,
         }
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
@@ -227,17 +248,62 @@ class Sampler:
             raise self._error(stage, "update_state", exc) from exc
 
     def _error(self, proc: object, where: str, exc: BaseException | None,
-               failed: list[int] | None = None) -> LogitsProcessorError:
-        """The error to raise, with the rows that enable ``proc`` when those are known."""
-        rows = None
+               failed: list[int] | None = None, logits: torch.Tensor | None = None,
+               rows: slice | None = None) -> LogitsProcessorError:
+        """The error to raise, with the rows whose requests make ``proc`` fail when those can be found.
+
+        Known rows come from the processor (an adapter's failing callables, a slot-keyed
+        processor); otherwise each request is replayed alone through a fresh instance of the
+        processor (``culprit_rows``). Every replica finds the same rows: the replay reads only
+        the full batch's state, never the shard.
+        """
         failed = failed if failed is not None else getattr(exc, "rows", None)
-        if isinstance(proc, AdapterLogitsProcessor):
-            rows = tuple(sorted(set(proc.req_info) | set(failed or ())))
-        elif failed is not None:
-            rows = tuple(failed)
+        culprits = tuple(sorted(set(failed))) if failed else None
+        if culprits is None and isinstance(proc, LogitsProcessor) and proc in self.stages:
+            culprits = self.culprit_rows(proc, logits, rows)
+        if culprits is None and isinstance(proc, AdapterLogitsProcessor):
+            culprits = tuple(sorted(proc.req_info))
         return LogitsProcessorError(
-            f"Logits processor {processor_name(proc)} raised in {where}: {type(exc).__name__}: {exc}", rows or None
+            f"Logits processor {processor_name(proc)} raised in {where}: {type(exc).__name__}: {exc}", culprits or None
         )
+
+    def _fresh_instance(self, proc: LogitsProcessor) -> LogitsProcessor:
+        """A new instance built as ``proc`` was (same class, same kwargs)."""
+        cls = type(proc)
+        same_class = [p for p in self.logitsprocs.all if type(p) is cls]
+        specs = [kw for c, kw in self._custom_kwargs if c is cls]
+        kwargs = specs[same_class.index(proc)] if proc in same_class and len(specs) == len(same_class) else {}
+        return cls(*self._constructor_args, **kwargs)
+
+    def culprit_rows(self, proc: LogitsProcessor, logits: torch.Tensor | None = None,
+                     rows: slice | None = None) -> tuple[int, ...] | None:
+        """Rows whose request alone makes ``proc`` raise or return a bad tensor; ``None`` if none does.
+
+        Each request is added, as row 0 of a batch of one, to a fresh instance, which then
+        applies to a copy of that row's logits (zeros for rows outside this shard; the failed
+        call may have changed them in place, which only matters to a processor whose failure
+        depends on the values).
+        """
+        if proc not in self.logitsprocs.all:
+            return None  # builtin stages are fed only validated parameters
+        culprits = []
+        for row in range(self.batch_size):
+            params, prompt, output = self.rows["params"][row], self.rows["prompt"][row], self.rows["output"][row]
+            if params is None:
+                continue
+            try:
+                alone = self._fresh_instance(proc)
+                alone.update_state(BatchUpdate(1, [], [(0, params, prompt, list(output))], []))
+                if logits is None:  # it failed in update_state: the replay stops there too
+                    continue
+                if rows is not None and rows.start <= row < rows.stop:
+                    one = logits[row - rows.start : row - rows.start + 1].clone()
+                else:
+                    one = logits.new_zeros(1, logits.shape[1])
+                checked_apply(alone, one)
+            except Exception:
+                culprits.append(row)
+        return tuple(culprits) if culprits else None
 
     @property
     def batch_size(self) -> int:
@@ -277,15 +343,16 @@ class Sampler:
         try:
             apply_rows = getattr(proc, "apply_rows", None)
             if apply_rows is not None:
-                return apply_rows(logits, rows)
+                shape, dtype, device = logits.shape, logits.dtype, logits.device
+                return check_logits(apply_rows(logits, rows), shape, dtype, device)
             if rows.start == 0 and rows.stop == self.batch_size:
-                return proc.apply(logits)
+                return checked_apply(proc, logits)
             # Full-batch view: the shard's rows are real, the others are filler.
             full = logits.new_zeros(self.batch_size, logits.shape[1])
             full[rows] = logits
-            return proc.apply(full)[rows]
+            return checked_apply(proc, full)[rows]
         except Exception as exc:
-            raise self._error(proc, "apply", exc) from exc
+            raise self._error(proc, "apply", exc, logits=logits, rows=rows) from exc
 
     def logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
         """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call."""
