@@ -13,6 +13,7 @@ the exit code is non-zero only when the job itself fails.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +38,8 @@ logger = logging.getLogger("raysample.job")
 
 
 class Backend(Protocol):
-    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[str]: ...
+    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                    request_ids: Sequence[str | None] | None = None) -> list[str]: ...
     def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool) -> list[RequestOutput]: ...
     def stats(self) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
@@ -52,8 +54,10 @@ class LocalBackend:
         self.engine = LocalEngine(config)
         self._finished: dict[str, RequestOutput] = {}
 
-    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams]) -> list[str]:
-        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                    request_ids: Sequence[str | None] | None = None) -> list[str]:
+        ids = request_ids or [None] * len(prompts)
+        return [self.engine.add_request(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
 
     def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = True) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -89,6 +93,22 @@ class JobCounters:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
 
 
+def id_key(rid: Any) -> str:
+    """Ids compare as strings: ``1`` and ``"1"`` name the same request."""
+    return str(rid)
+
+
+def line_digest(raw: bytes) -> str:
+    """An error record is tied to the exact line it reports: a fixed line is a new line."""
+    return hashlib.sha256(raw.strip()).hexdigest()[:32]
+
+
+def engine_request_id(key: str) -> str:
+    """The engine's id for a record: stable across runs, so an unseeded request draws the same random
+    stream when a resumed job runs it again; ``#`` (the n > 1 row separator) is escaped."""
+    return "job:" + key.replace("%", "%25").replace("#", "%23")
+
+
 class BadLine(ValueError):
     """One input line cannot become a request; the job records it and goes on."""
 
@@ -103,6 +123,8 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tu
     if "id" not in record:
         raise BadLine("missing 'id'")
     rid = record["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        raise BadLine(f"'id' must be a non-empty string or an integer, got {json.dumps(rid)}")
     unknown = sorted(set(record) - {"id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs",
                                     "sampling_params", "extra_args", "vllm_xargs"})
     if unknown:
@@ -122,8 +144,11 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tu
         raise BadLine("'prompt' must be a string")
     if has_ids and not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         raise BadLine("'prompt_token_ids' must be a list of integers")
+    given_params = record.get("sampling_params")
+    if given_params is not None and not isinstance(given_params, dict):
+        raise BadLine(f"'sampling_params' must be an object, got {type(given_params).__name__}")
     params = dict(defaults)
-    params.update(record.get("sampling_params") or {})
+    params.update(given_params or {})
     extra = record.get("extra_args", record.get("vllm_xargs"))
     if extra is not None:
         if not isinstance(extra, dict):
@@ -169,32 +194,39 @@ def error_record(rid: Any, line_no: int, message: str) -> dict[str, Any]:
     return {"id": rid, "line": line_no, "error": message, "finish_reason": "error"}
 
 
-def already_written(path: Path) -> tuple[set[str], set[int]]:
-    """(ids with a result, input line numbers with an error record) in an existing output.
+@dataclass
+class Written:
+    """What an existing output already holds, as resume sees it.
 
-    A torn last line from a crash is ignored (and later overwritten).
+    Done: ids with a result, and lines whose exact content got a request-level error (bad
+    JSON, bad parameters). Engine-side failures (``retryable``) are not done: they run again.
     """
-    ids: set[str] = set()
-    lines: set[int] = set()
+
+    ids: set[str] = field(default_factory=set)
+    lines: set[str] = field(default_factory=set)  # line_digest of lines with a final error record
+
+    def done(self, digest: str, key: str | None) -> bool:
+        return digest in self.lines or (key is not None and key in self.ids)
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of an existing output; a torn last line from a crash is skipped (and later overwritten)."""
     if not path.exists():
-        return ids, lines
-    with path.open("r", encoding="utf-8") as f:
-        for line in f:
+        return
+    with path.open("rb") as f:
+        for raw in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
-            if not isinstance(record, dict):
-                continue
-            if record.get("line") is not None:
-                lines.add(record["line"])
-            elif "id" in record:
-                ids.add(json.dumps(record["id"]))
-    return ids, lines
+            if isinstance(record, dict):
+                yield record
 
 
 class GenerateFormat:
     """raysample's JSONL: ``id`` and ``prompt`` / ``prompt_token_ids`` / ``messages``."""
+
+    id_field = "id"
 
     def __init__(self, config: RaysampleConfig) -> None:
         self.config = config
@@ -208,7 +240,12 @@ class GenerateFormat:
         return rid, rid, prompt, params
 
     def peek(self, line: str) -> Any:
-        return _peek_id(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        rid = record.get(self.id_field) if isinstance(record, dict) else None
+        return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
         return result_record(context, out)
@@ -216,12 +253,23 @@ class GenerateFormat:
     def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
         return error_record(rid, line_no, message)
 
-    def written(self, path: Path) -> tuple[set[str], set[int]]:
-        return already_written(path)
+    def written(self, path: Path) -> Written:
+        seen = Written()
+        for record in read_records(path):
+            if record.get("retryable"):
+                continue
+            if record.get("error") is not None:
+                if record.get("input_sha"):
+                    seen.lines.add(record["input_sha"])
+            elif record.get(self.id_field) is not None:
+                seen.ids.add(id_key(record[self.id_field]))
+        return seen
 
 
 class OpenAIBatchFormat(GenerateFormat):
     """The OpenAI batch file format (``vllm run-batch``), keyed by ``custom_id``."""
+
+    id_field = "custom_id"
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         try:
@@ -230,34 +278,12 @@ class OpenAIBatchFormat(GenerateFormat):
             raise BadLine(str(exc)) from None
         return request.custom_id, request, request.prompt, request.params
 
-    def peek(self, line: str) -> Any:
-        try:
-            record = json.loads(line)
-            return record.get("custom_id") if isinstance(record, dict) else None
-        except json.JSONDecodeError:
-            return None
-
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
         name = self.config.model.path or f"tiny-{self.config.model.tiny}"
         return response_line(context, out, self.tokenizer(), name)
 
     def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
         return error_line(rid if isinstance(rid, str) else None, message, line_no)
-
-    def written(self, path: Path) -> tuple[set[str], set[int]]:
-        ids: set[str] = set()
-        lines: set[int] = set()
-        if path.exists():
-            for line in path.open("r", encoding="utf-8"):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and record.get("line") is not None:
-                    lines.add(record["line"])
-                elif isinstance(record, dict) and record.get("custom_id") is not None:
-                    ids.add(json.dumps(record["custom_id"]))
-        return ids, lines
 
 
 def _open_for_append(path: Path) -> TextIO:
@@ -270,25 +296,37 @@ def _open_for_append(path: Path) -> TextIO:
     return path.open("a", encoding="utf-8")
 
 
-def count_lines(path: Path) -> int:
+def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of every non-blank line; decoding is per line, so bad bytes fail one line."""
     with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
+        for line_no, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield line_no, raw
+
+
+def decode_line(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadLine(f"line is not valid UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+
+
+def peek_key(fmt: GenerateFormat, raw: bytes) -> str | None:
+    try:
+        rid = fmt.peek(decode_line(raw))
+    except BadLine:
+        return None
+    return None if rid is None else id_key(rid)
 
 
 def pending_lines(fmt: GenerateFormat, input_path: Path, output_path: Path) -> tuple[int, int]:
-    """(input lines, lines without a record in the output yet): read before anything starts."""
-    already, reported_lines = fmt.written(output_path)
+    """(input lines, lines without a final record in the output yet): read before anything starts."""
+    written = fmt.written(output_path)
     total = pending = 0
-    with input_path.open("r", encoding="utf-8") as source:
-        for line_no, line in enumerate(source, start=1):
-            if not line.strip():
-                continue
-            total += 1
-            if line_no in reported_lines:
-                continue
-            rid = fmt.peek(line)
-            if rid is None or json.dumps(rid) not in already:
-                pending += 1
+    for _, raw in input_lines(input_path):
+        total += 1
+        if not written.done(line_digest(raw), peek_key(fmt, raw)):
+            pending += 1
     return total, pending
 
 
@@ -343,63 +381,71 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
             max_in_flight: int, show: int = 0, log_every_s: float = 10.0,
             line_format: GenerateFormat | None = None) -> JobCounters:
     fmt = line_format or GenerateFormat(config)
-    already, reported_lines = fmt.written(output_path)
-    counters = JobCounters(total_lines=count_lines(input_path))
+    written = fmt.written(output_path)
+    counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path)))
     progress = Progress(counters, log_every_s)
     seen: set[str] = set()
-    in_flight: dict[str, Any] = {}  # engine request id -> record id
+    in_flight: dict[str, tuple[Any, Any, str]] = {}  # engine request id -> (record id, context, line digest)
     shown = 0
-    with input_path.open("r", encoding="utf-8") as source, _open_for_append(output_path) as sink:
+    with _open_for_append(output_path) as sink:
 
-        def write(record: dict[str, Any]) -> None:
+        def write(record: dict[str, Any], digest: str) -> None:
+            if record.get("error") is not None:
+                record["input_sha"] = digest  # ties the error to this exact line (see Written)
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
             sink.flush()
 
-        lines: Iterator[tuple[int, str]] = ((n, line) for n, line in enumerate(source, start=1) if line.strip())
+        def reject(rid: Any, line_no: int, digest: str, message: str) -> None:
+            write(fmt.error(rid, line_no, message), digest)
+            counters.errors += 1
+            progress.advance()
+
+        lines = input_lines(input_path)
         exhausted = False
         while not exhausted or in_flight:
-            batch: list[tuple[Any, Any, Any, SamplingParams]] = []
+            batch: list[tuple[Any, Any, Any, SamplingParams, str]] = []
             while not exhausted and len(in_flight) + len(batch) < max_in_flight:
                 item = next(lines, None)
                 if item is None:
                     exhausted = True
                     break
-                line_no, line = item
-                if line_no in reported_lines:
+                line_no, raw = item
+                digest = line_digest(raw)
+                if written.done(digest, None):
                     counters.skipped += 1
                     continue
                 try:
-                    rid, context, prompt, params = fmt.parse(line)
+                    rid, context, prompt, params = fmt.parse(decode_line(raw))
                 except BadLine as exc:
-                    peeked = fmt.peek(line)
-                    if peeked is not None and json.dumps(peeked) in already:  # its error record is written
+                    key = peek_key(fmt, raw)
+                    if key is not None and key in written.ids:  # this id already has a result
                         counters.skipped += 1
                         continue
-                    write(fmt.error(peeked, line_no, str(exc)))
-                    counters.errors += 1
-                    progress.advance()
+                    reject(fmt.peek(raw.decode("utf-8", "replace")), line_no, digest, str(exc))
                     continue
-                key = json.dumps(rid)
-                if key in already and key not in seen:
+                key = id_key(rid)
+                if key in written.ids and key not in seen:
                     seen.add(key)
                     counters.skipped += 1
                     continue
                 if key in seen:
-                    write(fmt.error(rid, line_no, f"duplicate id {rid!r}: an earlier line has it"))
-                    counters.errors += 1
-                    progress.advance()
+                    reject(rid, line_no, digest, f"duplicate id {rid!r}: an earlier line has it")
                     continue
                 seen.add(key)
-                batch.append((rid, context, prompt, params))
+                batch.append((rid, context, prompt, params, digest))
             if batch:
-                ids = backend.submit_many([p for _, _, p, _ in batch], [sp for _, _, _, sp in batch])
-                in_flight.update({eid: (rid, context) for eid, (rid, context, _, _) in zip(ids, batch)})
+                ids = backend.submit_many([b[2] for b in batch], [b[3] for b in batch],
+                                          [engine_request_id(id_key(b[0])) for b in batch])
+                in_flight.update({eid: (rid, context, digest) for eid, (rid, context, _, _, digest) in zip(ids, batch)})
             if in_flight:
                 for out in backend.poll(list(in_flight), 1.0, True):
                     if counters.first_result is None:
                         counters.first_result = time.monotonic()
-                    rid, context = in_flight.pop(out.request_id)
-                    write(fmt.result(context, out))
+                    rid, context, digest = in_flight.pop(out.request_id)
+                    record = fmt.result(context, out)
+                    if out.error is not None and out.retryable:
+                        record["retryable"] = True  # an engine failure: a resumed run retries it
+                    write(record, digest)
                     counters.tokens += len(out.token_ids)
                     if out.error:
                         counters.errors += 1
@@ -414,12 +460,30 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
     return counters
 
 
-def _peek_id(line: str) -> Any:
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class OutputLocked(RuntimeError):
+    """Another job is writing the same output file."""
+
+
+def lock_output(path: Path) -> TextIO:
+    """Hold an exclusive lock on the output for the job's lifetime: two writers would duplicate every id."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a", encoding="utf-8")
     try:
-        record = json.loads(line)
-        return record.get("id") if isinstance(record, dict) else None
-    except json.JSONDecodeError:
-        return None
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise OutputLocked(f"{path} is being written by another raysample job; wait for it to finish or choose "
+                           "another --output") from None
+    return handle
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -431,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", required=True, type=Path, help="JSON lines results; resumed if it exists")
     gen.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
     gen.add_argument("--local", action="store_true", help="run the engine in this process instead of on Ray")
-    gen.add_argument("--max-in-flight", type=int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
+    gen.add_argument("--max-in-flight", type=positive_int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
     gen.add_argument("--show", type=int, default=0, help="print the first N results")
     gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
     gen.add_argument("--verbose", action="store_true", help="full tracebacks")
@@ -440,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
     batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
-                         ("--max-in-flight", {"type": int, "default": None}), ("--show", {"type": int, "default": 0}),
+                         ("--max-in-flight", {"type": positive_int, "default": None}), ("--show", {"type": int, "default": 0}),
                          ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"})):
         batch.add_argument(flag, **kwargs)
     return parser
@@ -455,8 +519,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
-    if args.overwrite and args.output.exists():
-        args.output.unlink()
+    try:
+        lock = lock_output(args.output)  # released when this process exits
+    except OutputLocked as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    if args.overwrite:
+        lock.truncate(0)
     line_format = OpenAIBatchFormat(config) if args.command == "run-batch" else GenerateFormat(config)
     total, pending = pending_lines(line_format, args.input, args.output)
     if pending == 0:

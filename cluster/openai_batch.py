@@ -179,8 +179,8 @@ def _stable_id(prefix: str, custom_id: str) -> str:
 
 
 def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, model_name: str) -> dict[str, Any]:
-    if out.error is not None:
-        return error_line(request.custom_id, out.error)
+    if out.error is not None:  # 500 for an engine-side failure (a resumed run retries it), else 400
+        return error_line(request.custom_id, out.error, status_code=500 if out.retryable else 400)
     chat = request.url == CHAT_URL
     choices = []
     for c in out.outputs:
@@ -207,9 +207,10 @@ def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, mod
             "error": None}
 
 
-def error_line(custom_id: str | None, message: str, line_no: int | None = None) -> dict[str, Any]:
+def error_line(custom_id: str | None, message: str, line_no: int | None = None,
+               status_code: int = 400) -> dict[str, Any]:
     record = {"id": _stable_id("batch_req", custom_id or f"line-{line_no}"), "custom_id": custom_id,
-              "response": {"status_code": 400, "request_id": _stable_id("req", custom_id or f"line-{line_no}"),
+              "response": {"status_code": status_code, "request_id": _stable_id("req", custom_id or f"line-{line_no}"),
                            "body": None},
               "error": message}
     if custom_id is None:

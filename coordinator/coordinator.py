@@ -314,12 +314,12 @@ class Coordinator:
             group.owner, group.prompt_ready = None, False
         return len(requeue)
 
-    def fail_requests(self, request_ids: Sequence[str], message: str) -> None:
+    def fail_requests(self, request_ids: Sequence[str], message: str, retryable: bool = False) -> None:
         """Fail rows (by row id); their requests report the error."""
         for row_id in request_ids:
             request = self.rows[row_id]
             if not request.finished:
-                request.finish(FinishReason.ERROR, error=message)
+                request.finish(FinishReason.ERROR, error=message, retryable=retryable)
                 self._finalize_text(request)
                 self._pending_outputs[request.group.request_id] = request.group
 
@@ -329,7 +329,7 @@ class Coordinator:
         must be reset. Returns the failed row ids."""
         ids = self.batch.request_ids()
         failed = [ids[r] for r in rows if 0 <= r < len(ids)] if rows else ids
-        self.fail_requests(failed, message)
+        self.fail_requests(failed, message, retryable=not rows)  # unattributed: maybe not theirs
         self.requeue_running(alive_workers)
         return failed
 
@@ -337,7 +337,7 @@ class Coordinator:
         """Finish every unfinished request with an error (no worker left, replicas diverged)."""
         for request in self.rows.values():
             if not request.finished:
-                request.finish(FinishReason.ERROR, error=message)
+                request.finish(FinishReason.ERROR, error=message, retryable=True)
                 self._pending_outputs[request.group.request_id] = request.group
         self.scheduler.waiting.clear()
         self.batch = PersistentBatch(self.batch.max_num_reqs)
@@ -537,6 +537,7 @@ class Coordinator:
             outputs=[self._completion(c) for c in group.children],
             finished=group.finished,
             error=errors[0] if errors else None,
+            retryable=bool(errors) and all(c.retryable for c in group.children if c.error),
             arrival_time=first.arrival_time,
             first_token_time=min(first_tokens) if first_tokens else None,
             finished_time=max(c.finished_time for c in group.children) if group.finished else None,

@@ -62,6 +62,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    # The error came from the engine (no worker left, a step failure no request alone explains),
+    # not from the request: running it again may succeed, so a resumed job retries it.
+    retryable: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -126,6 +129,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    retryable: bool = False  # see RequestOutput.retryable
     owner: int | None = None  # worker holding its row
     kv: KVState | None = None
     kv_owner: int | None = None  # worker whose blocks ``kv`` names
@@ -168,9 +172,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions += 1
 
-    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None,
+               retryable: bool = False) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+        self.retryable = retryable
         self.finished_time = time.monotonic()
