@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from coordinator.request import RequestOutput
 from processors import SamplingParams
 
 POLL_S = 1.0
+_NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
 
 
 class EngineError(RuntimeError):
@@ -35,11 +37,20 @@ def _call(ref: Any, timeout_s: float | None) -> Any:
         raise EngineError(f"the raysample coordinator did not answer within {timeout_s}s") from None
 
 
+def with_engine_name(config: RaysampleConfig) -> RaysampleConfig:
+    """The config with its engine name set: a fresh unique one unless the config names it."""
+    if config.cluster.coordinator_name:
+        return config
+    name = f"raysample-{uuid.uuid4().hex[:8]}"
+    return config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
+
+
 class Engine:
     """Handle on a running raysample engine (a named coordinator actor); any number of callers."""
 
-    def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False, name: str | None = None) -> None:
         self._actor = actor
+        self.name = name
         self.timeout_s = timeout_s
         self._owner = owner
 
@@ -48,21 +59,26 @@ class Engine:
         """Start Ray (or join it, per ``cluster.address``), the workers and the named coordinator."""
         from cluster.actors import CoordinatorActor
 
-        config = load_config(source)
+        config = with_engine_name(load_config(source))
         ensure_ray(config)
         check_cluster_resources(config)
+        name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         # The coordinator lives on this driver's node: losing another node never takes it down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actor = CoordinatorActor.options(
-            name=config.cluster.coordinator_name, namespace=config.cluster.namespace, num_cpus=0,
-            scheduling_strategy=here,
-        ).remote(config.model_dump(by_alias=True))
+        try:
+            actor = CoordinatorActor.options(
+                name=name, namespace=namespace, num_cpus=0, scheduling_strategy=here,
+            ).remote(config.model_dump(by_alias=True))
+        except _NAME_TAKEN:
+            raise EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one "
+                              f"another name (--job-name / cluster.coordinator_name) or attach to that one "
+                              f"with Engine.connect({name!r})") from None
         # Model loading on every worker happens inside the constructor.
         _call(actor.ready.remote(), config.cluster.call_timeout_s * 2)
-        return cls(actor, config.cluster.call_timeout_s, owner=True)
+        return cls(actor, config.cluster.call_timeout_s, owner=True, name=name)
 
     @classmethod
-    def connect(cls, name: str = "raysample-coordinator", namespace: str = "raysample",
+    def connect(cls, name: str, namespace: str = "raysample",
                 address: str = "auto", timeout_s: float = 120.0) -> Engine:
         """Attach to an engine another driver started."""
         if not ray.is_initialized():
@@ -71,7 +87,7 @@ class Engine:
             actor = ray.get_actor(name, namespace=namespace)
         except ValueError:
             raise EngineError(f"no raysample engine named {name!r} in namespace {namespace!r}") from None
-        return cls(actor, timeout_s)
+        return cls(actor, timeout_s, name=name)
 
     # ----- requests -----
 

@@ -53,7 +53,9 @@ class ClusterSettings(_Section):
     gpus_per_worker: float = Field(default=0.0, ge=0.0)
     cpus_per_worker: float = Field(default=1.0, gt=0.0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    coordinator_name: str = "raysample-coordinator"
+    # The engine's name on the cluster (Engine.connect(name)); unset: a new unique name per engine,
+    # so several jobs share a cluster.
+    coordinator_name: str | None = None
     namespace: str = "raysample"
     call_timeout_s: float = Field(default=120.0, gt=0.0)
     # Fan the plan out through a Ray compiled graph (shared-memory channels) instead of actor calls.

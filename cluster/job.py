@@ -499,13 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show", type=int, default=0, help="print the first N results")
     gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
     gen.add_argument("--verbose", action="store_true", help="full tracebacks")
+    gen.add_argument("--job-name", default=None,
+                     help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
     batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
     batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
     batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
     batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
                          ("--max-in-flight", {"type": positive_int, "default": None}), ("--show", {"type": int, "default": 0}),
-                         ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"})):
+                         ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"}),
+                         ("--job-name", {"default": None})):
         batch.add_argument(flag, **kwargs)
     return parser
 
@@ -515,6 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = load_config(args.config)
+        if args.job_name:
+            config = config.model_copy(update={"cluster": config.cluster.model_copy(
+                update={"coordinator_name": args.job_name})})
         check_job_paths(args.input, args.output, args.config)
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
@@ -561,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               " (--verbose shows the traceback)", file=sys.stderr)
         return 1
     try:
-        print(f"[raysample] {backend.stats()['kv_cache']}", flush=True)
+        name = getattr(backend, "name", None)
+        print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
         counters = run_job(config, backend, args.input, args.output,
                            args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
                            line_format)

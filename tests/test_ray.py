@@ -282,3 +282,19 @@ def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
     finally:
         engine.shutdown()
 
+
+
+def test_several_engines_share_a_cluster_and_a_taken_name_is_a_clear_error(ray_cluster):
+    config = base_config(cluster={"num_workers": 1}, speculative=None)
+    config["cluster"].pop("coordinator_name", None)
+    first, second = Engine.from_config(config), Engine.from_config(config)  # unique names by default
+    try:
+        assert first.name != second.name and first.name.startswith("raysample-")
+        a, b = first.generate("Hello", workload()[0])[0], second.generate("Hello", workload()[0])[0]
+        assert a.token_ids == b.token_ids
+        with pytest.raises(EngineError, match=f"an engine named '{first.name}' already runs"):
+            Engine.from_config(base_config(cluster={"num_workers": 1, "coordinator_name": first.name}))
+        assert Engine.connect(first.name, "raysample").generate("Hello", workload()[0])[0].token_ids == a.token_ids
+    finally:
+        first.shutdown()
+        second.shutdown()
