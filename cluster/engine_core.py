@@ -34,6 +34,14 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 
 
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` with the deltas of ``earlier`` in front: what a poller that missed ``earlier`` needs."""
+    for old, new in zip(earlier.outputs, later.outputs):
+        new.new_text = old.new_text + new.new_text
+        new.new_token_ids = old.new_token_ids + new.new_token_ids
+    return later
+
+
 class EngineCore:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = load_config(config)
@@ -148,10 +156,11 @@ class EngineCore:
                         ready.extend(self.outputs.pop(rid))
                 if ready:
                     return ready
-                unknown = [rid for rid in wanted if rid not in self.coordinator.requests]
+                known = self.coordinator.requests
+                unknown = [rid for rid in wanted if rid not in known and rid not in self.outputs]
                 if unknown:
-                    raise KeyError(f"unknown request id(s): {unknown}")
-                if self.fatal is not None and all(self.coordinator.requests[r].finished for r in wanted):
+                    raise KeyError(f"unknown request id(s) (or their final output was already delivered): {unknown}")
+                if self.fatal is not None and all(r not in known or known[r].finished for r in wanted):
                     raise RuntimeError(self.fatal)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -198,12 +207,14 @@ class EngineCore:
     # ----- the loop -----
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Buffer outputs until polled: one per request, the latest, carrying every delta since the last poll."""
         self.ray_metrics.record_finished(outputs)
         for out in outputs:
             if out.finished:
                 reason = "error" if out.error else (out.finish_reason.value if out.finish_reason else "unknown")
                 self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.outputs.setdefault(out.request_id, []).append(out)
+            earlier = self.outputs.get(out.request_id)
+            self.outputs[out.request_id] = [merge_outputs(earlier[0], out) if earlier else out]
         if outputs:
             self.lock.notify_all()
 

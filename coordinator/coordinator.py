@@ -119,6 +119,7 @@ class Coordinator:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # row id -> (text chars, tokens) already reported
         self._to_remove: list[str] = []  # rows to drop from the batch at the next plan
+        self._delivered: list[str] = []  # finished requests whose final output was taken
         self._last_tokens: list[list[int]] = []
         self._last_schedule: StepSchedule | None = None
         self._step = 0
@@ -348,6 +349,7 @@ class Coordinator:
 
     def next_plan(self) -> StepPlan | None:
         """Retire finished rows, schedule tokens and blocks, and describe the step; None when idle."""
+        self._forget_delivered()
         self._fail_bad_constraints()
         finished = list(dict.fromkeys(self._to_remove))
         self._to_remove = []
@@ -462,9 +464,31 @@ class Coordinator:
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
+        """Outputs since the last call; a finished request's final output is delivered once, then forgotten."""
         outputs = [self._output(g) for g in self._pending_outputs.values()]
         self._pending_outputs = {}
+        self._delivered.extend(out.request_id for out in outputs if out.finished)
         return outputs
+
+    def _forget_delivered(self) -> None:
+        """Drop finished, delivered requests whose rows have left the batch: a long-lived engine stays flat."""
+        if not self._delivered:
+            return
+        in_batch = set(self.batch.request_ids()) | set(self._to_remove)
+        keep = []
+        for request_id in self._delivered:
+            group = self.requests.get(request_id)
+            if group is None or not group.finished:
+                continue  # re-used id, running again
+            if any(c.request_id in in_batch for c in group.children):
+                keep.append(request_id)
+                continue
+            del self.requests[request_id]
+            for child in group.children:
+                self.rows.pop(child.request_id, None)
+                self.detokenizers.pop(child.request_id, None)
+                self._emitted.pop(child.request_id, None)
+        self._delivered = keep
 
     # ----- stop conditions -----
 

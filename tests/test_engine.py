@@ -270,3 +270,27 @@ def test_streamed_text_equals_a_full_decode_on_both_paths(engine):
             assert text == detok.text == full
 
     check()
+
+
+def test_delivered_requests_are_forgotten_so_a_long_lived_engine_stays_flat(engine):
+    for round_ in range(3):
+        outs = engine.generate([f"short {round_} {i}" for i in range(40)], SamplingParams(max_tokens=3, seed=round_))
+        assert all(o.finished and len(o.token_ids) <= 3 for o in outs)
+    engine.step()  # the last rows leave the batch, then their requests are dropped
+    engine.step()
+    c = engine.coordinator
+    assert len(c.requests) == len(c.rows) == len(c.detokenizers) == len(c._emitted) == 0
+
+
+def test_buffered_outputs_carry_every_delta_in_one_snapshot():
+    from cluster.engine_core import merge_outputs
+    from coordinator.request import CompletionOutput, RequestOutput
+
+    def snapshot(tokens, new):
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, "".join(map(str, tokens)), tokens,
+                                                              new_text="".join(map(str, new)), new_token_ids=new)],
+                             finished=False)
+
+    merged = merge_outputs(merge_outputs(snapshot([1], [1]), snapshot([1, 2], [2])), snapshot([1, 2, 3], [3]))
+    assert merged.outputs[0].new_token_ids == [1, 2, 3] and merged.outputs[0].new_text == "123"
+    assert merged.outputs[0].token_ids == [1, 2, 3]
