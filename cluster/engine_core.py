@@ -49,6 +49,8 @@ class EngineCore:
         model_path = self.config.model.resolve_path()
         self.placement = create_worker_placement(self.config, self.timeout_s)
         self.workers, (num_blocks, block_size) = self._start_workers()
+        self.kv_shape = (num_blocks, block_size)
+        self.replacements = 0
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size)
         self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
                                             self.config.model.path or f"tiny-{self.config.model.tiny}")
@@ -68,17 +70,7 @@ class EngineCore:
 
     def _start_workers(self) -> tuple[dict[int, Any], tuple[int, int]]:
         """Workers on their placement bundles, and the KV blocks every one of them holds."""
-        from cluster.actors import WorkerActor
-
-        cluster = self.config.cluster
-        config = self.config.model_dump(by_alias=True)
-        workers = {}
-        for i in range(cluster.num_workers):
-            workers[i] = WorkerActor.options(
-                num_cpus=cluster.cpus_per_worker,
-                num_gpus=cluster.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
-            ).remote(i, config, self.config.model.resolve_path())
+        workers = {i: self._new_worker(i) for i in range(self.config.cluster.num_workers)}
         infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.timeout_s)
         logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
         sizes = {i.block_size for i in infos}
@@ -86,13 +78,50 @@ class EngineCore:
             raise ValueError(f"workers chose different KV block sizes {sorted(sizes)}; set cache.block_size")
         return workers, (min(i.num_blocks for i in infos), sizes.pop())
 
+    def _new_worker(self, index: int) -> Any:
+        from cluster.actors import WorkerActor
+
+        cluster = self.config.cluster
+        return WorkerActor.options(
+            num_cpus=cluster.cpus_per_worker,
+            num_gpus=cluster.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index),
+        ).remote(index, self.config.model_dump(by_alias=True), self.config.model.resolve_path())
+
+    def _replace(self, gone: list[int]) -> dict[int, Any]:
+        """New workers for dead or hung ones, on the same bundles, while the budget lasts."""
+        budget = self.config.cluster.max_worker_replacements - self.replacements
+        if len(gone) > budget:
+            logger.warning("workers %s are not replaced: cluster.max_worker_replacements=%d reached",
+                           gone[budget:], self.config.cluster.max_worker_replacements)
+        started = {i: self._new_worker(i) for i in gone[:max(budget, 0)]}
+        self.replacements += len(started)
+        fresh: dict[int, Any] = {}
+        for i, worker in started.items():  # they load in parallel; model loading gets 2 x call_timeout_s
+            try:
+                info = ray.get(worker.info.remote(), timeout=self.timeout_s * 2)
+            except Exception as exc:  # could not start (no resources, node gone): go on without it
+                logger.warning("replacement for worker %d did not start (%s)", i, type(exc).__name__)
+                ray.kill(worker, no_restart=True)
+                continue
+            if info.block_size != self.kv_shape[1] or info.num_blocks < self.kv_shape[0]:
+                logger.warning("replacement for worker %d has a smaller KV cache; not used", i)
+                ray.kill(worker, no_restart=True)
+                continue
+            logger.warning("worker %d replaced", i)
+            fresh[i] = worker
+        return fresh
+
     def _compile(self) -> None:
         """One compiled graph (shared-memory channels) for the per-step fan-out, when enabled."""
         self._teardown()
         if not self.config.cluster.compiled_graph or not self.workers:
             return
         from ray.dag import InputNode, MultiOutputNode
+        from ray.dag.context import DAGContext
 
+        context = DAGContext.get_current()  # a step may take up to call_timeout_s, not Ray's 10 s default
+        context.get_timeout = max(context.get_timeout, int(self.timeout_s + 0.999))
         try:
             with InputNode() as plan:
                 dag = MultiOutputNode([w.step.bind(plan) for w in self.workers.values()])
@@ -101,13 +130,23 @@ class EngineCore:
             logger.warning("compiled graph unavailable (%s); using plain actor calls", exc)
             self._graph = None
 
-    def _teardown(self) -> None:
-        if self._graph is not None:
+    def _teardown(self, kill_actors: bool = False) -> None:
+        """Tear the compiled graph down, waiting at most ``call_timeout_s``: a hung actor must not hang us."""
+        graph, self._graph = self._graph, None
+        if graph is None:
+            return
+
+        def run() -> None:
             try:
-                self._graph.teardown()
+                graph.teardown(kill_actors=kill_actors)
             except Exception as exc:
                 logger.warning("compiled graph teardown: %s", exc)
-            self._graph = None
+
+        thread = threading.Thread(target=run, name="raysample-graph-teardown", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            logger.warning("compiled graph teardown still running after %.0fs; going on without it", self.timeout_s)
 
     # ----- requests (called from actor threads) -----
 
@@ -284,9 +323,16 @@ class EngineCore:
             self._fail_step(getattr(exc, "cause", exc))
             return None
         except Exception as exc:  # a worker died or hung: the graph is broken
-            logger.warning("step %d failed (%s: %s); checking workers", plan.step, type(exc).__name__, exc)
-            self._teardown()
-            gone = [i for i, w in self.workers.items() if not self._alive(w)]
+            hung = isinstance(exc, (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError))
+            logger.warning("step %d failed (%s: %s); checking workers", plan.step, type(exc).__name__,
+                           str(exc).splitlines()[0] if str(exc) else "")
+            if hung:
+                # Which actor hangs cannot be asked while the graph runs: stop all of them; they are replaced.
+                self._teardown(kill_actors=True)
+                gone = list(self.workers)
+            else:
+                self._teardown()
+                gone = [i for i, w in self.workers.items() if not self._alive(w)]
             self._recover(gone)
             return None
 
@@ -298,7 +344,7 @@ class EngineCore:
             return False
 
     def _recover(self, gone: list[int]) -> None:
-        """Drop dead workers, reset the others, re-admit every running request."""
+        """Drop dead or hung workers, start replacements, reset the others, re-admit every running request."""
         for i in gone:
             ray.kill(self.workers.pop(i), no_restart=True)
         survivors = dict(self.workers)
@@ -313,7 +359,10 @@ class EngineCore:
                     alive[i] = w
                 except _WORKER_GONE:
                     ray.kill(w, no_restart=True)
+                    gone.append(i)
             self.workers = alive
+        self.workers.update(self._replace(sorted(set(gone))))
+        self.workers = dict(sorted(self.workers.items()))
         with self.lock:
             self.recoveries += 1
             if not self.workers:

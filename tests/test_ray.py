@@ -117,15 +117,42 @@ def test_killed_worker_mid_generation_loses_nothing(ray_cluster):
         assert [final[i].token_ids for i in ids] == reference
         assert all(final[i].finish_reason == FinishReason.LENGTH for i in ids)
         stats = engine.stats()
-        assert stats["recoveries"] == 1 and stats["workers_alive"] == 1
+        assert stats["recoveries"] == 1 and stats["workers_alive"] == 2  # the dead one was replaced
         after = engine.generate("Hello", params[0])[0]  # still serving
         assert len(after.token_ids) == 60 and after.error is None
     finally:
         engine.shutdown()
 
 
+def test_a_hung_worker_is_killed_and_replaced_with_compiled_graphs(ray_cluster):
+    """SIGSTOP one worker mid-generation (compiled graph on): the step times out, every worker is
+    stopped and replaced, and the requests finish exactly as without the fault."""
+    import signal
+
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in PROMPTS[:4]]
+    reference = [o.token_ids for o in LocalEngine(base_config()).generate(PROMPTS[:4], params)]
+    engine = start("hung", cluster={"num_workers": 2, "call_timeout_s": 8, "compiled_graph": True})
+    pid = None
+    try:
+        ids = engine.submit_many(PROMPTS[:4], params)
+        engine.poll(ids, 5.0)
+        pid = ray.get(engine.worker_handles()[0].pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        final = engine.results(ids)
+        assert [final[i].token_ids for i in ids] == reference
+        stats = engine.stats()
+        assert stats["recoveries"] == 1 and stats["workers_alive"] == 2
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # killed by the engine, as it should be
+        engine.shutdown()
+
+
 def test_all_workers_gone_fails_pending_requests_clearly(ray_cluster):
-    engine = start("all-gone", cluster={"num_workers": 2})
+    engine = start("all-gone", cluster={"num_workers": 2, "max_worker_replacements": 0})
     try:
         ids = engine.submit_many(PROMPTS[:2], SamplingParams(max_tokens=150, ignore_eos=True, seed=1))
         engine.poll(ids, 5.0)
@@ -134,7 +161,7 @@ def test_all_workers_gone_fails_pending_requests_clearly(ray_cluster):
         final = engine.results(ids)
         for rid in ids:
             assert final[rid].finish_reason == FinishReason.ERROR
-            assert "all raysample workers are gone" in final[rid].error
+            assert "all raysample workers are gone" in final[rid].error and final[rid].retryable
         with pytest.raises(EngineError, match="all raysample workers are gone"):
             engine.submit("more", SamplingParams())
     finally:
@@ -146,7 +173,9 @@ def test_node_removed_on_two_node_cluster(ray_cluster):
     ray_cluster.wait_for_nodes()
     params = [SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True) for _ in PROMPTS]
     reference = [o.token_ids for o in LocalEngine(base_config()).generate(PROMPTS, params)]
-    engine = start("two-nodes", cluster={"num_workers": 2, "placement_strategy": "STRICT_SPREAD"})
+    # No replacement: STRICT_SPREAD has no second node left to put one on.
+    engine = start("two-nodes", cluster={"num_workers": 2, "placement_strategy": "STRICT_SPREAD",
+                                         "max_worker_replacements": 0})
     try:
         ids = engine.submit_many(PROMPTS, params)
         engine.poll(ids, 5.0)
