@@ -58,6 +58,7 @@ class EngineCore:
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         self._compile()
         self.lock = threading.Condition()
+        self.tokenize_lock = threading.Lock()
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.finished: dict[str, int] = {}  # requests by finish reason
         self.fatal: str | None = None
@@ -154,14 +155,32 @@ class EngineCore:
         return True
 
     def add_requests(self, items: Sequence[tuple[Any, Any, str | None]]) -> list[str]:
+        """Admit requests; parameters are parsed and prompts tokenized before the step loop's lock is
+        taken, so a huge prompt stalls no one, and a bad item fails alone (its own error output)."""
+        given = [rid for _, _, rid in items if rid is not None]
+        if len(set(given)) != len(given):
+            raise ValueError("request ids within one call must be distinct")
+        prepared = []
+        for prompt, params, request_id in items:
+            rejected, token_ids = None, None
+            if isinstance(params, dict):
+                try:
+                    params = SamplingParams.from_dict(params)
+                except (ValueError, TypeError) as exc:
+                    params, rejected = None, f"invalid sampling_params: {exc}"
+            if isinstance(prompt, str) and rejected is None:
+                with self.tokenize_lock:  # a fast tokenizer must not be entered by two threads at once
+                    token_ids = self.coordinator.tokenize(prompt)
+            prepared.append((prompt, params, request_id, token_ids, rejected))
         with self.lock:
             if self.fatal is not None:
                 raise RuntimeError(self.fatal)
-            ids = []
-            for prompt, params, request_id in items:
-                if isinstance(params, dict):
-                    params = SamplingParams.from_dict(params)
-                ids.append(self.coordinator.add_request(prompt, params, request_id))
+            in_use = [rid for rid in given if rid in self.coordinator.requests
+                      and not self.coordinator.requests[rid].finished]
+            if in_use:
+                raise ValueError(f"request id(s) {in_use} already in use")
+            ids = [self.coordinator.add_request(prompt, params, request_id, token_ids, rejected)
+                   for prompt, params, request_id, token_ids, rejected in prepared]
             self._publish(self.coordinator.take_outputs())
             self.lock.notify_all()
             return ids

@@ -132,8 +132,13 @@ class Coordinator:
     # ----- requests -----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; one that fails validation finishes at once with an error."""
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    rejected: str | None = None) -> str:
+        """Queue a request; one that fails validation finishes at once with an error.
+
+        ``prompt_token_ids``: a text prompt already tokenized (outside any lock, by ``tokenize``);
+        ``rejected``: the caller already found the request invalid (it finishes with that error).
+        """
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -143,7 +148,9 @@ class Coordinator:
         params = (params or self.default_params).clone()
         text = prompt if isinstance(prompt, str) else None
         try:
-            prompt_ids = self._prompt_ids(prompt)
+            if rejected is not None:
+                raise ValueError(rejected)
+            prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self._prompt_ids(prompt)
         except ValueError as exc:
             prompt_ids = []
             error = str(exc)
@@ -176,9 +183,12 @@ class Coordinator:
             self._pending_outputs[request_id] = group
         return request_id
 
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            return self.tokenize(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of integer token ids")
         return list(prompt)

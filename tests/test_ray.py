@@ -327,3 +327,26 @@ def test_several_engines_share_a_cluster_and_a_taken_name_is_a_clear_error(ray_c
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_random_mixture_of_good_and_bad_lines_on_two_workers(ray_cluster, tmp_path):
+    """The job's fuzz mixture on 2 Ray workers: every good line as in a clean run, one error record per bad line."""
+    pytest.importorskip("logits_processor_zoo", reason="the optional 'zoo' extra is not installed")
+    import fuzz_lines
+
+    from cluster.config import load_config
+    from cluster.job import run_job
+
+    config = load_config(fuzz_lines.config(workers=2))
+    engine = Engine.from_config(config)
+    try:
+        lines, goods = fuzz_lines.mixture(3, good=14, bad=12)
+        mixed = fuzz_lines.write(tmp_path / "mixed.jsonl", lines)
+        counters = run_job(config, engine, mixed, tmp_path / "mixed-out.jsonl", max_in_flight=12)
+        assert counters.done == len(goods) and counters.errors == len(lines) - len(goods)
+        clean = fuzz_lines.write(tmp_path / "clean.jsonl", [json.dumps(g).encode() for g in goods])
+        run_job(config, engine, clean, tmp_path / "clean-out.jsonl", max_in_flight=12)
+        fuzz_lines.check(tmp_path / "mixed-out.jsonl", tmp_path / "clean-out.jsonl", lines, goods)
+        assert engine.stats()["workers_alive"] == 2
+    finally:
+        engine.shutdown()
