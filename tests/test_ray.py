@@ -350,3 +350,58 @@ def test_random_mixture_of_good_and_bad_lines_on_two_workers(ray_cluster, tmp_pa
         assert engine.stats()["workers_alive"] == 2
     finally:
         engine.shutdown()
+
+
+def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, tmp_path):
+    from cluster.config import load_config
+    from cluster.job import run_job
+
+    def config(name: str):
+        return load_config(base_config(cluster={"num_workers": 2, "max_worker_replacements": 0,
+                                                "coordinator_name": name}, speculative=None))
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": f"retry {i}", "sampling_params":
+                                          {"max_tokens": 40, "ignore_eos": True, "temperature": 1.0}}) + "\n"
+                              for i in range(12)))
+    output = tmp_path / "out.jsonl"
+    engine = Engine.from_config(config("retry-first"))
+
+    class KillsWorkers:
+        """The engine, whose workers are all killed once the first results are written."""
+
+        def __init__(self) -> None:
+            self.killed = False
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def poll(self, ids, timeout_s, finished_only=False):
+            outs = engine.poll(ids, timeout_s, finished_only)
+            if outs and not self.killed:
+                self.killed = True
+                for handle in engine.worker_handles():
+                    ray.kill(handle)
+            return outs
+
+    try:
+        with pytest.raises((EngineError, RuntimeError), match="all raysample workers are gone"):
+            run_job(config("retry-first"), KillsWorkers(), source, output, max_in_flight=6)
+    finally:
+        engine.shutdown()
+    first = [json.loads(line) for line in output.read_text().splitlines()]
+    assert any(r["error"] is None for r in first)
+    assert any(r.get("retryable") for r in first) and all(r.get("retryable") for r in first if r["error"])
+    engine = Engine.from_config(config("retry-second"))
+    try:
+        run_job(config("retry-second"), engine, source, output, max_in_flight=6)
+        clean = tmp_path / "clean.jsonl"
+        run_job(config("retry-second"), engine, source, clean, max_in_flight=6)
+    finally:
+        engine.shutdown()
+    newest = {}
+    for record in map(json.loads, output.read_text().splitlines()):
+        newest[record["id"]] = record
+    reference = {r["id"]: r["token_ids"] for r in map(json.loads, clean.read_text().splitlines())}
+    assert all(r["error"] is None for r in newest.values()) and len(newest) == 12
+    assert {i: r["token_ids"] for i, r in newest.items()} == reference  # unseeded, yet as an uninterrupted run
