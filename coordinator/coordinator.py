@@ -33,6 +33,7 @@ from coordinator.rates import WindowedRate
 from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
+from processors.request_level import RequestLevelAdapter, check_request_setting
 from processors.structured_output import GrammarCache
 from workers.sampler import Sampler, TokenLogprobs
 
@@ -218,6 +219,9 @@ class Coordinator:
             params.update_from_tokenizer(self.tokenizer)
             Sampler.validate(params, vocab)
             validate_logits_processors_parameters(self.custom_processors, params, self.processors_from_entry_points)
+            for spec in self.custom_processors:
+                if _is_request_level(spec):
+                    check_request_setting(spec.kwargs, params)
         except ValueError as exc:
             return str(exc)
         except Exception as exc:  # a custom validate_params that is not a ValueError
@@ -576,6 +580,11 @@ class Coordinator:
             first_token_time=min(first_tokens) if first_tokens else None,
             finished_time=max(c.finished_time for c in group.children) if group.finished else None,
         )
+
+
+def _is_request_level(spec: Any) -> bool:
+    processor = getattr(spec, "processor", None)
+    return processor == "processors.request_level:RequestLevelAdapter" or processor is RequestLevelAdapter
 
 
 def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block_size: int) -> Coordinator:

@@ -11,6 +11,7 @@ model's tokenizer is passed as ``tokenizer``.
 
 from __future__ import annotations
 
+import inspect
 import pkgutil
 from functools import cache
 from typing import Any
@@ -31,6 +32,31 @@ def _load_tokenizer(path: str) -> Any:
 def import_target(target: str) -> Any:
     """``"pkg.module:Qualified.name"`` or ``"pkg.module.name"`` -> the object."""
     return pkgutil.resolve_name(target)
+
+
+def check_request_setting(spec_kwargs: dict[str, Any], params: SamplingParams) -> None:
+    """At admission: the request's ``extra_args[enable_with]`` is true or an object whose keys, with the
+    engine's kwargs and the tokenizer, are arguments the callable accepts (so bad kwargs fail the request
+    before it runs, not inside a step)."""
+    enable_with = spec_kwargs.get("enable_with")
+    setting = (params.extra_args or {}).get(enable_with) if enable_with else None
+    if setting is None or setting is False or setting is True:
+        return
+    target = spec_kwargs.get("target")
+    if not isinstance(setting, dict):
+        raise ValueError(f"extra_args[{enable_with!r}] must be true or an object of arguments for {target}, "
+                         f"got {type(setting).__name__}")
+    factory = import_target(target) if isinstance(target, str) else target
+    kwargs = {**(spec_kwargs.get("kwargs") or {}), **setting}
+    tokenizer_arg = spec_kwargs.get("tokenizer_arg", "tokenizer")
+    if tokenizer_arg:
+        kwargs.setdefault(tokenizer_arg, None)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"extra_args[{enable_with!r}] does not fit {target}: {exc}") from None
+    except ValueError:
+        return  # no introspectable signature (a builtin): checked when it is built
 
 
 class RequestLevelAdapter(AdapterLogitsProcessor):

@@ -50,3 +50,18 @@ def test_multiple_choice_answers_with_a_choice(engine):
     )
     assert set(picked.token_ids) <= choice_ids and picked.token_ids
     assert not set(free.token_ids) <= choice_ids
+
+
+def test_bad_per_request_kwargs_are_refused_at_admission(engine):
+    bad, wrong_type, good = engine.generate(
+        ["Tell me a story"] * 3,
+        [
+            SamplingParams(max_tokens=4, extra_args={"gen_length": {"no_such_argument": 1}}),
+            SamplingParams(max_tokens=4, extra_args={"gen_length": 5}),
+            SamplingParams(max_tokens=4, seed=1, extra_args={"gen_length": {"boost_factor": 0.0}}),
+        ],
+    )
+    assert "does not fit logits_processor_zoo.vllm:GenLengthLogitsProcessor" in bad.error
+    assert "unexpected keyword argument 'no_such_argument'" in bad.error and bad.token_ids == []  # never ran
+    assert "must be true or an object" in wrong_type.error
+    assert good.error is None and len(good.token_ids) == 4
