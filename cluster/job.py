@@ -525,15 +525,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
-    try:
-        lock = lock_output(args.output)  # released when this process exits
-    except OutputLocked as exc:
-        print(f"raysample: {exc}", file=sys.stderr)
-        return 2
-    if args.overwrite:
-        lock.truncate(0)
     line_format = OpenAIBatchFormat(config) if args.command == "run-batch" else GenerateFormat(config)
-    total, pending = pending_lines(line_format, args.input, args.output)
+    if args.overwrite:
+        total = pending = sum(1 for _ in input_lines(args.input))
+    else:
+        total, pending = pending_lines(line_format, args.input, args.output)
     if pending == 0:
         print(f"[raysample] nothing to do: all {total} lines of {args.input} already have a record in {args.output} "
               "(--overwrite starts afresh)", flush=True)
@@ -547,6 +543,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PreflightError as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
+    try:
+        lock = lock_output(args.output)  # held until this process exits
+    except OutputLocked as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    if args.overwrite:
+        lock.truncate(0)
     resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
     print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
     ray_up = time.monotonic()
