@@ -26,6 +26,10 @@ class WorkerActor:
         gpu_ids = ray.get_gpu_ids()
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs: they are numbered from 0 here.
         device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cpu":
+            from workers.threads import set_cpu_threads
+
+            set_cpu_threads(config["cluster"]["cpus_per_worker"])  # this worker's share, not the host's cores
         self.worker = Worker.from_config(worker_id, load_config(config), model_path, device)
         self.device = str(device)
 

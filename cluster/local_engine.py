@@ -6,6 +6,8 @@ actors); used by most tests and by single-machine runs.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 from workers.sampler import LogitsProcessorError
+from workers.threads import set_cpu_threads
 from workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ class LocalEngine:
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
         self.config = load_config(config)
         model_path = self.config.model.resolve_path()
+        if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            set_cpu_threads()  # the workers run one after another here: each may use every usable core
         self.workers = [
             Worker.from_config(i, self.config, model_path, local_device(self.config, i))
             for i in range(self.config.cluster.num_workers)

@@ -287,8 +287,13 @@ def scrape(engine_name: str) -> dict[str, float]:
 
 
 def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
-    engine = start("metrics-engine", cluster={"num_workers": 1})
+    engine = start("metrics-engine", cluster={"num_workers": 1, "cpus_per_worker": 2})
     try:
+        from workers.threads import usable_cores
+
+        [worker] = engine.worker_handles()  # intra-op threads from its CPU share, not the host's cores
+        assert ray.get(worker.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())) == \
+            min(2, usable_cores())
         outs = engine.generate(PROMPTS[:4], workload()[:4])
         stats = engine.stats()
         generated = sum(len(o.token_ids) for o in outs)

@@ -1,0 +1,28 @@
+"""Intra-op threads for CPU compute: one per core a process may use, never more.
+
+Several workers on a host each running torch's default thread count oversubscribe its
+cores; a worker takes the CPU share Ray gave it (``cpus_per_worker``), the in-process
+engine the cores this process may run on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_cpu_threads(share: float | None = None) -> int:
+    """Set torch's intra-op threads to ``floor(share)`` (at least 1), or to the usable cores; return it."""
+    threads = max(1, math.floor(share)) if share is not None else usable_cores()
+    threads = min(threads, usable_cores())
+    torch.set_num_threads(threads)
+    return threads
