@@ -28,8 +28,10 @@ class BoomAdapter(AdapterLogitsProcessor):
         return None
 
 
-class BoomBatch(LogitsProcessor):
-    """``boom: "batch"``: raises in apply; it cannot tell which request is to blame."""
+class _Tagged(LogitsProcessor):
+    """Batch-level: tracks the rows whose ``boom`` tag is ``tag``; subclasses misbehave while any is there."""
+
+    tag = ""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.tagged: dict[int, bool] = {}
@@ -38,7 +40,13 @@ class BoomBatch(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "batch" else None)
+        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == self.tag else None)
+
+
+class BoomBatch(_Tagged):
+    """``boom: "batch"``: raises in apply; it cannot tell which request is to blame."""
+
+    tag = "batch"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.tagged:
@@ -56,33 +64,19 @@ class BoomV2(mrv2.LogitsProcessor):
         raise RuntimeError("slot-keyed processor exploded")
 
 
-class WrongShape(LogitsProcessor):
+class WrongShape(_Tagged):
     """``boom: "shape"``: returns a narrowed tensor while a tagged request is in the batch."""
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.tagged: dict[int, bool] = {}
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "shape" else None)
+    tag = "shape"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits[:, :100] if self.tagged else logits
 
 
-class BoomWhenCrowded(LogitsProcessor):
+class BoomWhenCrowded(_Tagged):
     """``boom: "crowd"``: raises only while two tagged requests share the batch (no one alone is to blame)."""
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.tagged: dict[int, bool] = {}
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.tagged, batch_update, lambda p, _pr, _o: True if _tag(p) == "crowd" else None)
+    tag = "crowd"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if len(self.tagged) >= 2:
