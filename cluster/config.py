@@ -150,6 +150,10 @@ class SpeculativeSettings(_Section):
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=3, ge=1)
+    # adaptive: per step, verify only the drafts whose expected gain pays for their compute, from
+    # each row's acceptance history and the measured step cost (coordinator/draft_policy.py);
+    # fixed: every draft the n-gram lookup finds, up to num_speculative_tokens, as vLLM does.
+    draft_policy: Literal["adaptive", "fixed"] = "adaptive"
 
     @model_validator(mode="after")
     def _ordered(self) -> SpeculativeSettings:

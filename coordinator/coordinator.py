@@ -18,6 +18,7 @@ from typing import Any
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.kv_blocks import KVCacheManager
+from coordinator.draft_policy import DraftPolicy
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from coordinator.plan import AddedRow, PlanUpdate, RowSchedule, StepPlan, StepResult
@@ -100,10 +101,12 @@ class Coordinator:
                  consistency_check_every: int = 0, default_params: SamplingParams | None = None,
                  drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
                  processors_from_entry_points: bool = True, grammar_cache_size: int = 256,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, draft_policy: DraftPolicy | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.drafter = drafter
+        self.draft_policy = draft_policy if drafter is not None else None
+        self._plan_started = 0.0
         self.reasoning_enabled = reasoning_enabled
         self.metrics = EngineMetrics()
         self.model = model
@@ -363,12 +366,15 @@ class Coordinator:
 
     def next_plan(self) -> StepPlan | None:
         """Retire finished rows, schedule tokens and blocks, and describe the step; None when idle."""
+        self._plan_started = time.perf_counter()
         self._forget_delivered()
         self._fail_bad_constraints()
         finished = list(dict.fromkeys(self._to_remove))
         self._to_remove = []
         for rid in finished:
             self.scheduler.release(self.rows[rid])
+            if self.draft_policy is not None and self.rows[rid].finished:
+                self.draft_policy.forget(rid)
         gone = set(finished)
         running = [self.rows[rid] for rid in self.batch.request_ids() if rid not in gone]
         decision = self.scheduler.schedule(running, self._propose if self.drafter is not None else None)
@@ -428,15 +434,25 @@ class Coordinator:
                 if request.group.owner is None:
                     request.group.owner = request.owner
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds."""
-        params, done = request.params, len(request.output_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
-        room = min(max_tokens - done, self.model.max_model_len - request.num_tokens, budget + 1) - 1
-        return self.drafter.propose(request.all_token_ids(), room) if room > 0 else []
+    def _propose(self, requests: list[Request], budget: int) -> dict[str, list[int]]:
+        """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds, then
+        trimmed by the draft policy (``speculative.draft_policy: adaptive``)."""
+        proposals = {}
+        for request in requests:
+            params, done = request.params, len(request.output_token_ids)
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
+            room = min(max_tokens - done, self.model.max_model_len - request.num_tokens, budget + 1) - 1
+            if room > 0:
+                proposals[request.request_id] = self.drafter.propose(request.all_token_ids(), room)
+        if self.draft_policy is None:
+            return proposals
+        return self.draft_policy.choose(proposals, len(requests))
 
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
+        if self.draft_policy is not None and all(s.num_tokens == 1 for s in plan.schedule):
+            positions = len(plan.schedule) + sum(len(d) for d in plan.drafts or ())
+            self.draft_policy.cost.observe(positions, time.perf_counter() - self._plan_started)
         by_row: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
         for result in results:
             start = result.rows[0]
@@ -463,6 +479,8 @@ class Coordinator:
             if plan.drafts is not None and plan.drafts[row]:
                 self.metrics.spec_proposed += len(plan.drafts[row])
                 self.metrics.spec_accepted += len(tokens) - 1
+                if self.draft_policy is not None:
+                    self.draft_policy.observe(request.request_id, len(plan.drafts[row]), len(tokens) - 1)
             request.kv.num_computed = computed + len(tokens) - 1
             accepted = self._accept(request, tokens, lps)
             self.metrics.generated_tokens += len(accepted)
@@ -619,6 +637,8 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block
             config.speculative.prompt_lookup_min,
             config.speculative.prompt_lookup_max,
         ),
+        draft_policy=DraftPolicy() if config.speculative is not None and config.speculative.draft_policy == "adaptive"
+        else None,
         reasoning_enabled=config.reasoning is not None,
         processors_from_entry_points=config.processors_from_entry_points,
         grammar_cache_size=config.structured_outputs.grammar_cache_size,

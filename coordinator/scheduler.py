@@ -8,7 +8,8 @@ block pool, in this order:
    request of that owner is preempted (blocks freed, back to the queue front,
    recomputed later: exact thanks to counter-based sampling);
 2. running prefills extend their chunk with what budget and free blocks allow;
-3. decoding rows get their speculative drafts, if any fit;
+3. decoding rows get their speculative drafts, as many as the draft policy finds
+   worth verifying and fit;
 4. waiting requests are admitted first come, first served, each with at least
    one token of budget, a row on the least loaded worker, and the blocks its
    first chunk needs after prefix-cache hits.
@@ -27,7 +28,8 @@ from coordinator.kv_blocks import KVCacheManager
 from coordinator.persistent_batch import PersistentBatch
 from coordinator.request import Request
 
-DraftProposer = Callable[[Request, int], list[int]]
+# (rows that sample this step, token budget left) -> drafts by request id
+DraftProposer = Callable[[list[Request], int], dict[str, list[int]]]
 
 
 @dataclass
@@ -122,13 +124,16 @@ class Scheduler:
                     budget -= extra
         # 3. drafts for rows that sample this step.
         if propose is not None:
-            for request in active:
+            sampling = [request for request in active if self._samples(request, out)]
+            proposals = propose(sampling, budget) if sampling else {}
+            for request in sampling:
                 if budget <= 0:
                     break
-                if not self._samples(request, out):
+                drafts = proposals.get(request.request_id)
+                if not drafts:
                     continue
-                drafts = propose(request, budget)
-                room = self._affordable(request, len(drafts), extra_after=out.num_tokens[request.request_id])
+                room = self._affordable(request, min(len(drafts), budget),
+                                        extra_after=out.num_tokens[request.request_id])
                 if room:
                     out.drafts[request.request_id] = drafts[:room]
                     total = request.kv.num_computed + out.num_tokens[request.request_id] + room

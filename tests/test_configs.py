@@ -49,6 +49,8 @@ def test_processor_items_become_specs():
         ({"model": {"tiny": "default"}, "defaults": {"temperature": 5}}, r"defaults: Value error, temperature must be in \[0, 2\], got 5"),
         ({"model": {"tiny": "default"}, "speculative": {"num_speculative_tokens": 0}},
          r"speculative\.num_speculative_tokens: Input should be greater than or equal to 1"),
+        ({"model": {"tiny": "default"}, "speculative": {"draft_policy": "always"}},
+         r"speculative\.draft_policy: Input should be 'adaptive' or 'fixed'"),
         ({}, r"model: Field required"),
     ],
 )

@@ -145,7 +145,7 @@ def test_cached_prefix_survives_its_request_and_is_evicted_when_blocks_run_out()
 def test_preemption_recomputes_exactly(spec):
     prompts = random_prompts(10, 20, 60, seed=8)
     params = mixed_params(10)
-    extra = {"speculative": {"num_speculative_tokens": 3}} if spec else {}
+    extra = {"speculative": {"num_speculative_tokens": 3, "draft_policy": "fixed"}} if spec else {}
     roomy = engine(**extra)
     reference = [o.token_ids for o in roomy.generate(prompts, params)]
     assert roomy.coordinator.scheduler.num_preemptions == 0

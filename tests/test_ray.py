@@ -37,7 +37,7 @@ def base_config(**overrides) -> dict:
         "model": {"tiny": "default", "max_model_len": 160},
         "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1},
         "processors": ["processors.examples:DummyLogitsProcessor", "processors.examples:WrappedPerReqLogitsProcessor"],
-        "speculative": {"num_speculative_tokens": 3},
+        "speculative": {"num_speculative_tokens": 3, "draft_policy": "fixed"},
         "reasoning": {"start": "<think>", "end": "Final answer:"},
         "cluster": {"call_timeout_s": 60},
     }

@@ -47,7 +47,7 @@ def reference_outputs():
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_with_spec_equals_without(reference_outputs, k):
     engine = LocalEngine(
-        {**BASE, "processors": ["processors.examples:DummyLogitsProcessor"], "speculative": {"num_speculative_tokens": k},
+        {**BASE, "processors": ["processors.examples:DummyLogitsProcessor"], "speculative": {"num_speculative_tokens": k, "draft_policy": "fixed"},
          "cluster": {"num_workers": 2}, "scheduler": {"max_num_seqs": 6, "consistency_check_every": 1}}
     )
     outputs = engine.generate(PROMPTS, mixed_params())
@@ -63,13 +63,13 @@ def test_random_sampling_with_spec_equals_without(k):
               for t, p, s, r in [(0.2, 1.0, 1, 1.0), (0.3, 0.9, None, 1.0), (0.1, 0.95, 7, 1.0),
                                  (0.25, 1.0, None, 1.0), (0.9, 0.8, 3, 1.1)]]
     plain = LocalEngine(BASE).generate(PROMPTS, params)
-    spec = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": k}, "cluster": {"num_workers": 2}})
+    spec = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": k, "draft_policy": "fixed"}, "cluster": {"num_workers": 2}})
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
     assert spec.coordinator.metrics.spec_accepted > 0
 
 
 def test_acceptance_above_half_on_repetitive_prompts():
-    engine = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": 3}})
+    engine = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": 3, "draft_policy": "fixed"}})
     engine.generate(
         ["a b c a b c a b c a b c a b c", "x y x y x y x y x y", "1 2 3 4 1 2 3 4 1 2 3 4"],
         SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
@@ -80,7 +80,7 @@ def test_acceptance_above_half_on_repetitive_prompts():
 
 
 def test_stop_conditions_apply_to_accepted_tokens_in_order():
-    engine = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": 5}})
+    engine = LocalEngine({**BASE, "speculative": {"num_speculative_tokens": 5, "draft_policy": "fixed"}})
     plain = LocalEngine(BASE)
     params = SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)
     spec_out, = engine.generate([PROMPTS[0]], params)

@@ -36,7 +36,7 @@ def config(spec: int, workers: int = 1) -> dict:
             "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1},
             "cluster": {"num_workers": workers}, "processors": PROCESSORS}
     if spec:
-        base["speculative"] = {"num_speculative_tokens": spec}
+        base["speculative"] = {"num_speculative_tokens": spec, "draft_policy": "fixed"}
     return base
 
 

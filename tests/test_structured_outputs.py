@@ -59,7 +59,7 @@ def engine(workers: int = 1, spec: int = 0, **extra) -> LocalEngine:
               "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1}, "cluster": {"num_workers": workers},
               **extra}
     if spec:
-        config["speculative"] = {"num_speculative_tokens": spec}
+        config["speculative"] = {"num_speculative_tokens": spec, "draft_policy": "fixed"}
     return LocalEngine(config)
 
 

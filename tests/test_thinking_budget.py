@@ -27,7 +27,7 @@ def engine(request):
         "reasoning": {"start": START, "end": END},
     }
     if request.param:
-        config["speculative"] = {"num_speculative_tokens": request.param}
+        config["speculative"] = {"num_speculative_tokens": request.param, "draft_policy": "fixed"}
     return LocalEngine(config)
 
 
