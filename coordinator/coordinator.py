@@ -407,7 +407,7 @@ class Coordinator:
             RowSchedule(decision.start[rid], decision.num_tokens[rid], tuple(decision.new_blocks[rid]))
             for rid in order
         ]
-        drafts = [decision.drafts.get(rid, []) for rid in order] if self.drafter is not None else None
+        drafts = [decision.drafts.get(rid, []) for rid in order] if decision.drafts else None  # None: plain sampling
         self._step += 1
         every = self.consistency_check_every
         plan = StepPlan(
@@ -437,13 +437,25 @@ class Coordinator:
     def _propose(self, requests: list[Request], budget: int) -> dict[str, list[int]]:
         """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds, then
         trimmed by the draft policy (``speculative.draft_policy: adaptive``)."""
-        proposals = {}
+        by_id = {request.request_id: request for request in requests}
+        tokens_left = {}
         for request in requests:
-            params, done = request.params, len(request.output_token_ids)
+            params = request.params
             max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
-            room = min(max_tokens - done, self.model.max_model_len - request.num_tokens, budget + 1) - 1
-            if room > 0:
-                proposals[request.request_id] = self.drafter.propose(request.all_token_ids(), room)
+            tokens_left[request.request_id] = min(max_tokens - len(request.output_token_ids),
+                                                  self.model.max_model_len - request.num_tokens)
+        candidates = list(by_id)
+        critical_only = self.draft_policy is not None and not self.scheduler.waiting
+        if critical_only:
+            candidates = self.draft_policy.critical_rows(tokens_left)
+        proposals = {}
+        for rid in candidates:
+            room = min(tokens_left[rid], budget + 1) - 1
+            drafts = self.drafter.propose(by_id[rid].all_token_ids(), room) if room > 0 else []
+            if drafts:
+                proposals[rid] = drafts
+            elif critical_only:
+                return {}  # a row on the critical path has nothing to verify: drafting cannot pay
         if self.draft_policy is None:
             return proposals
         return self.draft_policy.choose(proposals, len(requests))
@@ -451,8 +463,10 @@ class Coordinator:
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
         if self.draft_policy is not None and all(s.num_tokens == 1 for s in plan.schedule):
-            positions = len(plan.schedule) + sum(len(d) for d in plan.drafts or ())
-            self.draft_policy.cost.observe(positions, time.perf_counter() - self._plan_started)
+            drafts = [len(d) for d in plan.drafts or ()]
+            self.draft_policy.observe_step(len(plan.schedule) + sum(drafts), max(drafts, default=0),
+                                           time.perf_counter() - self._plan_started,
+                                           max((r.sample_pass_s for r in results), default=0.0))
         by_row: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
         for result in results:
             start = result.rows[0]

@@ -21,6 +21,8 @@ HISTORY_DECAY = 0.8  # weight of a row's earlier evidence at each new observatio
 # does not see (a second attention group per layer, the rejection sampler), and a draft that only
 # breaks even is not worth the risk of being slower than no speculation.
 MARGIN = 1.25
+# With nothing waiting, rows within this share of the most tokens left are on the critical path.
+CRITICAL_SHARE = 0.9
 
 
 @dataclass
@@ -77,10 +79,16 @@ class Acceptance:
 
 
 class DraftPolicy:
-    """Trims the drafter's proposals to the counts that are worth verifying this step."""
+    """Trims the drafter's proposals to the counts that are worth verifying this step.
+
+    Two costs are priced: each sampled position (the cost model's slope), and each draft depth,
+    since verification runs one sampling pass over the whole shard per draft position: one row
+    with three drafts makes every row's sampler run four times.
+    """
 
     def __init__(self) -> None:
         self.cost = StepCostModel()
+        self.pass_s = 0.0  # seconds of one sampling pass over a shard, recent average
         self.overall = Acceptance(accepted=1.0, trials=2.0)  # prior: one in two
         self.rows: dict[str, Acceptance] = {}
 
@@ -99,17 +107,35 @@ class DraftPolicy:
         self.overall.accepted += accepted
         self.overall.trials += min(proposed, accepted + 1)
 
+    def observe_step(self, positions: int, depth: int, seconds: float, pass_s: float) -> None:
+        """A step without prompt tokens: ``depth`` = most drafts of a row, ``pass_s`` = the slowest
+        worker's sampling pass."""
+        if pass_s > 0:
+            self.pass_s = pass_s if self.pass_s == 0 else 0.9 * self.pass_s + 0.1 * pass_s
+        self.cost.observe(positions, seconds - self.pass_s * depth)
+
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
+
+    @staticmethod
+    def critical_rows(tokens_left: Mapping[str, int]) -> list[str]:
+        """With no request waiting for a row, a row that finishes early frees a row nobody needs:
+        only the rows with the most tokens left set how long the batch runs. Drafting then pays
+        only if every one of them has drafts, and only theirs are worth verifying."""
+        longest = max(tokens_left.values(), default=0)
+        return [rid for rid, left in tokens_left.items() if left >= CRITICAL_SHARE * longest]
 
     def choose(self, proposals: Mapping[str, list[int]], sampling_rows: int) -> dict[str, list[int]]:
         """The prefix of each proposal to verify in a step that samples ``sampling_rows`` rows.
 
-        The step's prompt tokens are left out of its cost, which only makes drafts look dearer."""
+        Every draft depth is tried (each costs a sampling pass); within one, drafts are taken by
+        expected gain while they raise tokens per cost. The step's prompt tokens are left out of
+        its cost, which only makes drafts look dearer.
+        """
         fit = self.cost.fit
         if fit is None:  # no cost estimate yet: verify what the drafter found
             return {rid: drafts for rid, drafts in proposals.items() if drafts}
-        fixed, per_token = fit
+        fixed, per_position = fit
         gains = []
         for rid, drafts in proposals.items():
             rate, gain = self.rate(rid), 1.0
@@ -117,15 +143,20 @@ class DraftPolicy:
                 gain *= rate
                 gains.append((-gain, i, rid))
         gains.sort()
-        tokens, cost = float(sampling_rows), fixed + per_token * sampling_rows
-        taken: dict[str, int] = {}
-        for negative_gain, i, rid in gains:
-            gain = -negative_gain
-            if gain * cost <= MARGIN * per_token * tokens:
-                break  # taking a draft raises tokens per cost, so every smaller gain fails too
-            if taken.get(rid, 0) != i:
-                continue  # its row stopped at an earlier position
-            taken[rid] = i + 1
-            tokens += gain
-            cost += per_token
-        return {rid: proposals[rid][:count] for rid, count in taken.items()}
+        base_cost = fixed + per_position * sampling_rows
+        best: tuple[float, dict[str, int]] = (sampling_rows / base_cost if base_cost > 0 else 0.0, {})
+        for depth in range(1, max((len(d) for d in proposals.values()), default=0) + 1):
+            tokens, cost = float(sampling_rows), base_cost + self.pass_s * depth
+            taken: dict[str, int] = {}
+            for negative_gain, i, rid in gains:
+                gain = -negative_gain
+                if gain * cost <= MARGIN * per_position * tokens:
+                    break  # taking a draft raises tokens per cost, so every smaller gain fails too
+                if i >= depth or taken.get(rid, 0) != i:
+                    continue  # deeper than this step verifies, or its row stopped earlier
+                taken[rid] = i + 1
+                tokens += gain
+                cost += per_position
+            if taken and tokens / cost > best[0]:
+                best = (tokens / cost, taken)
+        return {rid: proposals[rid][:count] for rid, count in best[1].items()}

@@ -73,6 +73,8 @@ class StepResult:
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None
     compute_s: float = 0.0
+    # Seconds of one sampling pass over the shard (verifying drafts takes one per draft position).
+    sample_pass_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,47 @@ def test_a_row_is_cut_at_the_first_position_that_does_not_pay():
     assert policy.choose({"row": [1, 2, 3, 4]}, 2) == {"row": [1, 2, 3]}
 
 
+def test_every_draft_depth_costs_a_sampling_pass():
+    policy = fitted(fixed=0.010, per_position=0.0001)
+    proposals = {f"r{i}": [1, 2, 3] for i in range(4)}
+    assert policy.choose(proposals, 4) == proposals
+    policy.pass_s = 0.004  # a pass costs as much as 40 positions: only the first depth pays
+    assert policy.choose(proposals, 4) == {rid: [1] for rid in proposals}
+    policy.pass_s = 0.1  # dearer than anything a draft can win
+    assert policy.choose(proposals, 4) == {}
+
+
+def test_with_nothing_waiting_only_the_rows_with_most_tokens_left_matter():
+    assert DraftPolicy.critical_rows({"a": 100, "b": 95, "c": 40}) == ["a", "b"]
+
+
+class OneRowDrafter:
+    """Drafts [5, 6, 7] for the sequence starting with ``first`` and nothing for any other."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+
+    def propose(self, tokens: list[int], limit: int | None = None) -> list[int]:
+        return [5, 6, 7][:limit] if tokens[0] == self.first else []
+
+
+def test_a_closed_batch_is_not_drafted_unless_its_critical_rows_all_have_drafts():
+    """Nothing waiting for a row: drafts for some rows would shorten nothing."""
+    engine = LocalEngine({"model": {"tiny": "loopy", "max_model_len": 192}, "scheduler": {"max_num_seqs": 4},
+                          "speculative": {"num_speculative_tokens": 3}})
+    coordinator = engine.coordinator
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    ids = [coordinator.add_request(p, params) for p in ("a b a b a b a b", "1 2 3 4 5 6 7 8")]
+    engine.step()  # both prompts prefilled
+    rows = [coordinator.rows[rid] for rid in ids]
+    coordinator.drafter = OneRowDrafter(rows[0].prompt_token_ids[0])
+    coordinator.draft_policy.cost._fit = (0.01, 0.0001)  # a step costs mostly its fixed part: drafts are cheap
+    assert not coordinator.scheduler.waiting
+    assert coordinator._propose(rows, budget=100) == {}  # the other critical row has nothing to verify
+    coordinator.add_request("x y z", params)  # now a row finishing early frees a row someone needs
+    assert coordinator._propose(rows, budget=100) == {ids[0]: [5, 6, 7]}
+
+
 def test_forgetting_a_finished_row_drops_its_history():
     policy = DraftPolicy()
     policy.observe("x", proposed=2, accepted=0)

@@ -92,6 +92,7 @@ class Worker:
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), tokens=[])
         if work:
             logits = self.runner.forward(work)
+            sample_start = time.perf_counter()
             if plan.drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = [[t] for t in out.sampled_token_ids.tolist()]
@@ -102,6 +103,8 @@ class Worker:
                 result.tokens = verified.tokens
                 if any(lp is not None for lp in verified.logprobs):
                     result.logprobs = verified.logprobs
+            passes = 1 + max((len(d) for d in plan.drafts[lo:hi]), default=0) if plan.drafts is not None else 1
+            result.sample_pass_s = (time.perf_counter() - sample_start) / passes
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
