@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from scipy.stats import chisquare
 
@@ -98,6 +100,26 @@ def test_ngram_drafter_proposals():
     assert d.propose([5, 6, 7]) == []
     assert d.propose([1, 2, 1, 2, 1, 2], limit=2) == [1, 2]
     assert d.propose([1, 2, 3, 9, 2, 3]) == [9, 2, 3]  # falls back to a shorter tail
+    assert d.propose([256, 0, 1]) == []  # 1's bytes occur inside 256, 0, off a token boundary
+
+
+def _brute_force_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for start in range(total - n - 1, -1, -1):  # latest earlier occurrence, ending before the last token
+            if tokens[start : start + n] == tokens[total - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.sampled_from([0, 1, 7, 256, 65536, 2**32, 2**40]), max_size=40),
+       k=st.integers(1, 5), min_n=st.integers(1, 3), extra=st.integers(0, 2))
+def test_ngram_drafter_matches_a_brute_force_search(tokens, k, min_n, extra):
+    """Byte-level search never takes a match that straddles two ids (values chosen so that they do)."""
+    drafter = NgramDrafter(k, min_n, min_n + extra)
+    expected = _brute_force_proposal(tokens, k, min_n, min_n + extra) if len(tokens) >= min_n + 1 else []
+    assert drafter.propose(tokens) == expected
 
 
 def _spec_sampler(n: int, params: SamplingParams, drafts: list[int], vocab: int):
