@@ -74,7 +74,7 @@ class Engine:
                               f"another name (--job-name / cluster.coordinator_name) or attach to that one "
                               f"with Engine.connect({name!r})") from None
         # Model loading on every worker happens inside the constructor.
-        _call(actor.ready.remote(), config.cluster.call_timeout_s * 2)
+        _call(actor.ready.remote(), config.cluster.startup_timeout_s + config.cluster.call_timeout_s)
         return cls(actor, config.cluster.call_timeout_s, owner=True, name=name)
 
     @classmethod

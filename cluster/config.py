@@ -58,6 +58,9 @@ class ClusterSettings(_Section):
     coordinator_name: str | None = None
     namespace: str = "raysample"
     call_timeout_s: float = Field(default=120.0, gt=0.0)
+    # How long workers (and replacements) may take to load the model and come up; a step's
+    # call_timeout_s is far too short for a large checkpoint. 600 s, as vLLM's VLLM_ENGINE_READY_TIMEOUT_S.
+    startup_timeout_s: float = Field(default=600.0, gt=0.0)
     # Dead or hung workers are replaced by new actors on their placement bundles, this many times
     # over the engine's life; past that (or when a replacement cannot start) the survivors go on.
     max_worker_replacements: int = Field(default=4, ge=0)

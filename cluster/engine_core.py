@@ -72,7 +72,7 @@ class EngineCore:
     def _start_workers(self) -> tuple[dict[int, Any], tuple[int, int]]:
         """Workers on their placement bundles, and the KV blocks every one of them holds."""
         workers = {i: self._new_worker(i) for i in range(self.config.cluster.num_workers)}
-        infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.timeout_s)
+        infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.config.cluster.startup_timeout_s)
         logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
         sizes = {i.block_size for i in infos}
         if len(sizes) != 1:  # CPU and GPU workers mixed without cache.block_size
@@ -98,9 +98,10 @@ class EngineCore:
         started = {i: self._new_worker(i) for i in gone[:max(budget, 0)]}
         self.replacements += len(started)
         fresh: dict[int, Any] = {}
-        for i, worker in started.items():  # they load in parallel; model loading gets 2 x call_timeout_s
+        deadline = time.monotonic() + self.config.cluster.startup_timeout_s
+        for i, worker in started.items():  # they load in parallel, within one start-up timeout
             try:
-                info = ray.get(worker.info.remote(), timeout=self.timeout_s * 2)
+                info = ray.get(worker.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # could not start (no resources, node gone): go on without it
                 logger.warning("replacement for worker %d did not start (%s)", i, type(exc).__name__)
                 ray.kill(worker, no_restart=True)
