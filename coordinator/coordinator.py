@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.kv_blocks import KVCacheManager
 from coordinator.draft_policy import DraftPolicy
+from coordinator.kv_blocks import KVCacheManager
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from coordinator.plan import AddedRow, PlanUpdate, RowSchedule, StepPlan, StepResult
