@@ -462,6 +462,12 @@ class Coordinator:
 
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
+        self.accept_step(plan, results)
+        return self.take_outputs()
+
+    def accept_step(self, plan: StepPlan, results: Sequence[StepResult]) -> None:
+        """Take the sampled tokens of ``plan``'s step and apply stop conditions: all the next plan
+        needs. Building outputs (``take_outputs``) can wait until the next step is sent."""
         if self.draft_policy is not None and all(s.num_tokens == 1 for s in plan.schedule):
             drafts = [len(d) for d in plan.drafts or ()]
             self.draft_policy.observe_step(len(plan.schedule) + sum(drafts), max(drafts, default=0),
@@ -507,7 +513,6 @@ class Coordinator:
         self._last_tokens = last_tokens
         self.metrics.steps += 1
         self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
-        return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs since the last call; a finished request's final output is delivered once, then forgotten."""
@@ -549,7 +554,7 @@ class Coordinator:
             accepted.append(token)
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.append(logprobs[i])
-            delta = detok.push(token)
+            delta = detok.push(token) if detok.stop else ""  # no stop strings: decoded when output
             n = len(request.output_token_ids)
             if n >= max_tokens or len(request.prompt_token_ids) + n >= self.model.max_model_len:
                 request.finish(FinishReason.LENGTH)
@@ -573,6 +578,7 @@ class Coordinator:
         detok = self.detokenizers.get(request.request_id)
         if detok is None or isinstance(request.stop_reason, str):
             return
+        detok.catch_up(request.output_token_ids)
         delta = detok.flush()
         stop = detok.find_stop(len(delta)) if delta else None
         if stop is not None:
@@ -580,6 +586,8 @@ class Coordinator:
 
     def _completion(self, request: Request) -> CompletionOutput:
         detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            detok.catch_up(request.output_token_ids)
         text = detok.visible_text(request.finished) if detok is not None else ""
         sent_chars, sent_tokens = self._emitted[request.request_id]
         self._emitted[request.request_id] = (len(text), len(request.output_token_ids))

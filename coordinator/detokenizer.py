@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.consumed = 0  # output tokens pushed so far
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self._stream = (DecodeStream(ids=self.tokens, skip_special_tokens=skip_special_tokens)
@@ -44,6 +45,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completed (maybe empty)."""
         self.tokens.append(token_id)
+        self.consumed += 1
         if self._stream is not None:
             delta = self._stream.step(self._backend, token_id)
             if not delta:
@@ -59,6 +61,12 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """Push the output tokens not pushed yet: without stop strings, text is only needed
+        when an output is built, so the step loop leaves decoding to then."""
+        for token_id in output_token_ids[self.consumed:]:
+            self.push(token_id)
 
     def flush(self) -> str:
         """At the end, emit whatever is pending, even an incomplete character (the stream never would)."""

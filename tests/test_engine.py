@@ -260,14 +260,20 @@ def test_streamed_text_equals_a_full_decode_on_both_paths(engine):
     vocab = len(tok)
 
     @settings(max_examples=60, deadline=None, derandomize=True)
-    @given(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), st.booleans())
-    def check(ids, skip_special):
+    @given(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), st.booleans(), st.integers(0, 24))
+    def check(ids, skip_special, split):
         full = tok.decode(prompt + ids, skip_special_tokens=skip_special)[len(tok.decode(prompt, skip_special_tokens=skip_special)):]
         for source in (tok, _SlowOnly(tok)):
             detok = IncrementalDetokenizer(source, prompt, skip_special_tokens=skip_special)
             assert (detok._stream is not None) == (source is tok)
             text = "".join(detok.push(t) for t in ids) + detok.flush()
             assert text == detok.text == full
+            # Decoding left for later (no stop strings): caught up in two goes, same text.
+            later = IncrementalDetokenizer(source, prompt, skip_special_tokens=skip_special)
+            later.catch_up(ids[:split])
+            later.catch_up(ids)
+            later.flush()
+            assert later.text == full and later.consumed == len(ids)
 
     check()
 
