@@ -117,7 +117,7 @@ class EngineCore:
     def _compile(self) -> None:
         """One compiled graph (shared-memory channels) for the per-step fan-out, when enabled."""
         self._teardown()
-        if not self.config.cluster.compiled_graph or not self.workers:
+        if not self.config.cluster.use_compiled_graph() or not self.workers:
             return
         from ray.dag import InputNode, MultiOutputNode
         from ray.dag.context import DAGContext
@@ -278,6 +278,8 @@ class EngineCore:
             self.lock.notify_all()
 
     def _loop(self) -> None:
+        """Plan step N+1 as soon as step N's tokens are in, send it, and build and publish step N's
+        outputs (detokenization included) while the workers compute."""
         while True:
             with self.lock:
                 if self._stop:
@@ -292,7 +294,10 @@ class EngineCore:
                     self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
                     self.lock.wait(0.05)
                     continue
-            results = self._run_step(plan)
+            pending = self._submit(plan)
+            with self.lock:  # overlapped with the workers' step
+                self._publish(self.coordinator.take_outputs())
+            results = self._collect(plan, pending)
             with self.lock:
                 if results is None:
                     continue
@@ -302,7 +307,7 @@ class EngineCore:
                 except ConsistencyError as exc:
                     self._fail(f"replicas diverged, engine stopped: {exc}")
                     continue
-                self._publish(self.coordinator.process(plan, results))
+                self.coordinator.accept_step(plan, results)
                 step_s = time.perf_counter() - started
                 slowest = max((r.compute_s for r in results), default=0.0)
                 self.step_overhead_ms.append((step_s - slowest) * 1000)
@@ -314,10 +319,19 @@ class EngineCore:
         self.ray_metrics.record_step(step_s, *(a - b for a, b in zip(after, before)))
         self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
 
-    def _run_step(self, plan: StepPlan) -> list[StepResult] | None:
-        if self._graph is not None:
-            return self._run_step_compiled(plan)
-        pending = {i: w.step.remote(plan) for i, w in self.workers.items()}
+    def _submit(self, plan: StepPlan) -> Any:
+        """Start the step on every live worker without waiting: refs, or the error that stopped it."""
+        try:
+            if self._graph is not None:
+                return self._graph.execute(plan)
+            return {i: w.step.remote(plan) for i, w in self.workers.items()}
+        except Exception as exc:  # the compiled graph is broken (a worker died between steps)
+            return exc
+
+    def _collect(self, plan: StepPlan, pending: Any) -> list[StepResult] | None:
+        """The step's results, or None after handling a failure (recovery or failed requests)."""
+        if self._graph is not None or isinstance(pending, Exception):
+            return self._collect_compiled(plan, pending)
         deadline = time.monotonic() + self.timeout_s
         results, gone, raised = [], [], []
         for i, ref in pending.items():
@@ -336,9 +350,11 @@ class EngineCore:
             return None
         return results
 
-    def _run_step_compiled(self, plan: StepPlan) -> list[StepResult] | None:
+    def _collect_compiled(self, plan: StepPlan, pending: Any) -> list[StepResult] | None:
         try:
-            return list(ray.get(self._graph.execute(plan), timeout=self.timeout_s))
+            if isinstance(pending, Exception):
+                raise pending
+            return list(ray.get(pending, timeout=self.timeout_s))
         except ray.exceptions.RayTaskError as exc:
             self._fail_step(getattr(exc, "cause", exc))
             return None
