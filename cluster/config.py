@@ -65,7 +65,15 @@ class ClusterSettings(_Section):
     # over the engine's life; past that (or when a replacement cannot start) the survivors go on.
     max_worker_replacements: int = Field(default=4, ge=0)
     # Fan the plan out through a Ray compiled graph (shared-memory channels) instead of actor calls.
-    compiled_graph: bool = True
+    # Its channels busy-wait: the coordinator and every worker keep a core spinning between steps.
+    # "auto": on for GPU workers (compute is on the device, the spin buys lower latency); off for
+    # CPU workers, whose cores the spinning would take from the model (bench/step_overhead.py).
+    compiled_graph: bool | Literal["auto"] = "auto"
+
+    def use_compiled_graph(self) -> bool:
+        if self.compiled_graph == "auto":
+            return self.gpus_per_worker > 0
+        return self.compiled_graph
 
 
 class SchedulerSettings(_Section):

@@ -25,6 +25,19 @@ def test_gpu_config_is_one_worker_per_gpu_with_spec_and_reasoning():
     assert config.speculative is not None and config.reasoning is not None
 
 
+def test_compiled_graph_auto_is_on_for_gpu_workers_only():
+    """Its channels busy-wait; on CPU workers that spinning takes cores from the model."""
+    def cluster(**settings):
+        return load_config({"model": {"tiny": "micro"}, "cluster": settings}).cluster
+
+    assert cluster().compiled_graph == "auto" and not cluster().use_compiled_graph()
+    assert cluster(gpus_per_worker=1).use_compiled_graph()
+    assert cluster(compiled_graph=True).use_compiled_graph()
+    assert not cluster(gpus_per_worker=1, compiled_graph=False).use_compiled_graph()
+    with pytest.raises(ConfigError, match="compiled_graph"):
+        cluster(compiled_graph="sometimes")
+
+
 def test_processor_items_become_specs():
     config = load_config(CONFIGS / "processors.yaml")
     specs = config.custom_processors()
