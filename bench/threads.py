@@ -1,7 +1,8 @@
 """Threads per layout: the e2e workload (greedy) on the in-process engine and on Ray worker layouts.
 
 Layouts: in-process with 1 thread and with every usable core (the default), and on a
-private Ray instance 1 worker x all cores and N workers x 1 core (each worker's intra-op
+private Ray instance 1 worker x all cores, 1 worker x 1 core (the coordinator's process
+has the others) and N workers x 1 core (each worker's intra-op
 threads follow its ``cpus_per_worker``). Reference: the in-process engine's default,
 measured in the same run; prints tokens/s and the ratio for each layout.
 
@@ -56,6 +57,8 @@ def main() -> None:
         results[f"in-process, {threads} thread(s)"] = tokens / seconds
     torch.set_num_threads(cores)
     results[f"Ray, 1 worker x {cores} CPU"] = run_ray(model_dir, jobs, 1, float(cores))
+    if cores > 1:  # the coordinator's process keeps a core of its own
+        results["Ray, 1 worker x 1 CPU"] = run_ray(model_dir, jobs, 1, 1.0)
     results[f"Ray, {cores} workers x 1 CPU"] = run_ray(model_dir, jobs, cores, 1.0)
     reference = results[f"in-process, {cores} thread(s)"]
     for name, rate in results.items():
