@@ -77,6 +77,28 @@ def ray_overhead_ms(workers: int, prompts: list[str], params: SamplingParams, co
         engine.shutdown()
 
 
+def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, overlap: bool) -> float:
+    """The step loop (``EngineCore``) in this process over compiled-graph workers, with step N's
+    outputs built while step N+1 runs (the engine's way) or after step N, before planning N+1."""
+    from cluster.engine_core import EngineCore
+
+    EngineCore.overlap_outputs = overlap
+    core = EngineCore(config(workers, f"overlap-{workers}-{overlap}", compiled=True))
+    try:
+        core.add_requests([(p, params, None) for p in prompts[:2]])
+        while core.coordinator.has_unfinished():
+            time.sleep(0.01)
+        core.step_overhead_ms.clear()
+        ids = core.add_requests([(p, params, None) for p in prompts])
+        while core.coordinator.has_unfinished():
+            time.sleep(0.01)
+        assert len(core.poll(ids, 5.0, finished_only=True)) > 0
+        return statistics.median(core.step_overhead_ms)
+    finally:
+        EngineCore.overlap_outputs = True
+        core.shutdown()
+
+
 def curve_tokens_per_s(workers: int, requests: int, cores: int, compiled: bool) -> float:
     """Tokens/s of the Ray engine on the bench model, the machine's cores split among the workers."""
     share = cores / workers
@@ -114,6 +136,12 @@ def main() -> None:
         calls = ray_overhead_ms(workers, prompts, params, compiled=False)
         graph = ray_overhead_ms(workers, prompts, params, compiled=True)
         print(f"{workers:>7} {local:>11.2f} {calls:>17.2f} {graph:>20.2f}", flush=True)
+    print("compiled graph, step loop in this process: outputs built while the next step runs vs after each step")
+    print(f"{'workers':>7} {'overlapped':>11} {'after the step':>15} {'saved':>6}")
+    for workers in args.workers:
+        after = overlap_ab_ms(workers, prompts, params, overlap=False)
+        overlapped = overlap_ab_ms(workers, prompts, params, overlap=True)
+        print(f"{workers:>7} {overlapped:>11.2f} {after:>15.2f} {after - overlapped:>6.2f}", flush=True)
     if args.curve_requests:
         cores = len(os.sched_getaffinity(0))
         print(f"bench model, {args.curve_requests} requests x 96 tokens, greedy, {cores} cores split among the workers")

@@ -43,6 +43,10 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
 
 
 class EngineCore:
+    # Build and publish step N's outputs while step N+1 runs; bench/step_overhead.py turns it off
+    # to measure what the overlap saves.
+    overlap_outputs = True
+
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = load_config(config)
         self.timeout_s = self.config.cluster.call_timeout_s
@@ -295,8 +299,9 @@ class EngineCore:
                     self.lock.wait(0.05)
                     continue
             pending = self._submit(plan)
-            with self.lock:  # overlapped with the workers' step
-                self._publish(self.coordinator.take_outputs())
+            if self.overlap_outputs:
+                with self.lock:  # while the workers compute
+                    self._publish(self.coordinator.take_outputs())
             results = self._collect(plan, pending)
             with self.lock:
                 if results is None:
@@ -308,6 +313,8 @@ class EngineCore:
                     self._fail(f"replicas diverged, engine stopped: {exc}")
                     continue
                 self.coordinator.accept_step(plan, results)
+                if not self.overlap_outputs:
+                    self._publish(self.coordinator.take_outputs())
                 step_s = time.perf_counter() - started
                 slowest = max((r.compute_s for r in results), default=0.0)
                 self.step_overhead_ms.append((step_s - slowest) * 1000)
