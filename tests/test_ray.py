@@ -80,12 +80,14 @@ def start(name: str, **overrides) -> Engine:
     return Engine.from_config(base_config(cluster={"coordinator_name": name, **overrides.pop("cluster", {})}, **overrides))
 
 
-@pytest.mark.parametrize(("workers", "tight"), [(4, False), (2, True)])
-def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers, tight):
+@pytest.mark.parametrize(("workers", "tight", "compiled"), [(4, False, True), (2, True, "auto")])
+def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers, tight, compiled):
     """Tight: 8 blocks of 8 tokens per worker (one sequence of max_model_len=64, every request fits
-    in it) for 2 rows each: requests are preempted and recomputed, with the audit every step."""
+    in it) for 2 rows each: requests are preempted and recomputed, with the audit every step.
+    The plan goes out through a compiled graph, then by actor calls (the CPU default)."""
     extra = {"model": {"max_model_len": 64}, "cache": {"block_size": 8, "kv_cache_memory": 8 * 2 * 2 * 8 * 2 * 16 * 4}}
-    engine = start(f"match-{workers}", cluster={"num_workers": workers}, **(extra if tight else {}))
+    engine = start(f"match-{workers}", cluster={"num_workers": workers, "compiled_graph": compiled},
+                   **(extra if tight else {}))
     try:
         outputs = engine.generate(PROMPTS, workload())
         assert [o.token_ids for o in outputs] == in_process_reference
@@ -256,7 +258,7 @@ def test_a_failing_processor_fails_only_its_requests_on_ray(ray_cluster):
     tagged = {0: "apply", 3: "v2"}
     for i, tag in tagged.items():
         params[i] = SamplingParams(max_tokens=5, extra_args={"boom": tag})
-    engine = start("boom", cluster={"num_workers": 2}, **extra)
+    engine = start("boom", cluster={"num_workers": 2, "compiled_graph": True}, **extra)  # kill: actor calls
     try:
         outs = engine.generate(PROMPTS, params)
         for i, (out, ref) in enumerate(zip(outs, clean)):
@@ -395,8 +397,10 @@ def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, 
     finally:
         engine.shutdown()
     first = [json.loads(line) for line in output.read_text().splitlines()]
-    assert any(r["error"] is None for r in first)
-    assert any(r.get("retryable") for r in first) and all(r.get("retryable") for r in first if r["error"])
+    done = {r["id"] for r in first if r["error"] is None}
+    assert done and len(done) < 12, first  # some written before the workers died, not all
+    # What failed is marked for a retry; lines submitted after the engine stopped have no record yet.
+    assert all(r.get("retryable") for r in first if r["error"])
     engine = Engine.from_config(config("retry-second"))
     try:
         run_job(config("retry-second"), engine, source, output, max_in_flight=6)
