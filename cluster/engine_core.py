@@ -11,6 +11,7 @@ on; placement-independent sampling makes the continuation exact.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -43,9 +44,9 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
 
 
 class EngineCore:
-    # Build and publish step N's outputs while step N+1 runs; bench/step_overhead.py turns it off
-    # to measure what the overlap saves.
-    overlap_outputs = True
+    # Build and publish step N's outputs while step N+1 runs: None decides from the cores
+    # (``_has_spare_core``); bench/step_overhead.py sets it to measure what the overlap saves.
+    overlap_outputs: bool | None = None
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = load_config(config)
@@ -60,6 +61,8 @@ class EngineCore:
                                             self.config.model.path or f"tiny-{self.config.model.tiny}")
         logger.info("%s", self.coordinator.kv_summary())
         self._graph: Any = None  # compiled graph over the live workers, when enabled
+        if self.overlap_outputs is None:
+            self.overlap_outputs = self._has_spare_core()
         self._compile()
         self.lock = threading.Condition()
         self.tokenize_lock = threading.Lock()
@@ -82,6 +85,24 @@ class EngineCore:
         if len(sizes) != 1:  # CPU and GPU workers mixed without cache.block_size
             raise ValueError(f"workers chose different KV block sizes {sorted(sizes)}; set cache.block_size")
         return workers, (min(i.num_blocks for i in infos), sizes.pop())
+
+    def _has_spare_core(self) -> bool:
+        """Whether this node has a core that no CPU worker's threads use.
+
+        Overlapping the coordinator's output building with the step pays only there: on a node whose
+        cores the workers' threads fill, it slows their compute more than it saves (measured on 2
+        cores, one worker with 2 threads: 1531 vs 1685 tokens/s). GPU workers compute on the device.
+        """
+        cluster = self.config.cluster
+        if cluster.gpus_per_worker > 0:
+            return True
+        from workers.threads import usable_cores
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = ray.util.placement_group_table(self.placement)["bundles_to_node_id"].values()
+        local_workers = sum(1 for node in nodes if node == here)
+        threads = min(max(1, math.floor(cluster.cpus_per_worker)), usable_cores())
+        return usable_cores() - local_workers * threads >= 1
 
     def _new_worker(self, index: int) -> Any:
         from cluster.actors import WorkerActor
@@ -249,6 +270,7 @@ class EngineCore:
                 "spec_acceptance": m.spec_acceptance,
                 "step_overhead_ms_median": overhead[len(overhead) // 2] if overhead else None,
                 "recoveries": self.recoveries,
+                "overlap_outputs": self.overlap_outputs,
                 **self.coordinator.kv_stats(),
                 "kv_cache": self.coordinator.kv_summary(),
                 "error": self.fatal,

@@ -93,6 +93,9 @@ def test_workers_match_in_process_engine(ray_cluster, in_process_reference, work
         assert [o.token_ids for o in outputs] == in_process_reference
         stats = engine.stats()
         assert stats["workers_alive"] == workers and stats["error"] is None
+        from workers.threads import usable_cores
+
+        assert stats["overlap_outputs"] == (usable_cores() - workers >= 1)  # one thread per worker
         assert stats["steps"] > 20  # audited every step
         assert (stats["preemptions"] > 0) == tight, stats
         params = SamplingParams(n=2, seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -215,8 +218,12 @@ def test_second_driver_attaches_by_name(ray_cluster):
 def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
     import asyncio
 
-    engine = start("stream", cluster={"num_workers": 2})
+    from workers.threads import usable_cores
+
+    engine = start("stream", cluster={"num_workers": 1, "cpus_per_worker": 1})
     try:
+        # A core left for the coordinator: step N's outputs are built while step N+1 runs.
+        assert engine.stats()["overlap_outputs"] == (usable_cores() >= 2)
         async def collect():
             return [out async for out in engine.stream("Hello", SamplingParams(seed=3, max_tokens=12, ignore_eos=True))]
 
