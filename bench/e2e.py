@@ -61,7 +61,7 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
                   batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local") -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
-    with every core, the coordinator in its own actor, so output building overlaps the step)."""
+    with every core, the coordinator in its own actor)."""
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256},
         "scheduler": {"max_num_seqs": batch},

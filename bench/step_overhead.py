@@ -66,6 +66,42 @@ def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) 
     return statistics.median(overheads)
 
 
+@ray.remote(num_cpus=0)
+class _NoOp:
+    def step(self, plan: object) -> object:
+        return plan
+
+
+def bare_round_trip_ms(workers: int, compiled: bool, calls: int = 200) -> float:
+    """What the transport alone costs: one small message to ``workers`` no-op actors and back."""
+    actors = [_NoOp.remote() for _ in range(workers)]
+    ray.get([a.step.remote(0) for a in actors])
+    graph = None
+    if compiled:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as plan:
+            graph = MultiOutputNode([a.step.bind(plan) for a in actors]).experimental_compile()
+
+    def once() -> float:
+        start = time.perf_counter()
+        if graph is not None:
+            ray.get(graph.execute(0))
+        else:
+            ray.get([a.step.remote(0) for a in actors])
+        return time.perf_counter() - start
+
+    try:
+        for _ in range(20):
+            once()
+        return statistics.median(once() for _ in range(calls)) * 1000
+    finally:
+        if graph is not None:
+            graph.teardown()
+        for actor in actors:
+            ray.kill(actor)
+
+
 def ray_overhead_ms(workers: int, prompts: list[str], params: SamplingParams, compiled: bool) -> float:
     engine = Engine.from_config(config(workers, f"bench-{workers}-{compiled}", compiled))
     try:
@@ -159,12 +195,16 @@ def main() -> None:
     params = SamplingParams(seed=1, max_tokens=args.tokens, ignore_eos=True)
     ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, namespace="raysample-bench", log_to_driver=False)
     print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU workers; median ms over steps")
-    print(f"{'workers':>7} {'in-process':>11} {'Ray, actor calls':>17} {'Ray, compiled graph':>20}")
+    print(f"{'workers':>7} {'in-process':>11} {'Ray, actor calls':>17} {'Ray, compiled graph':>20}"
+          f"   bare round trip to no-op actors: {'calls':>6} {'graph':>6}")
     for workers in args.workers:
         local = local_overhead_ms(workers, prompts, params)
         calls = ray_overhead_ms(workers, prompts, params, compiled=False)
         graph = ray_overhead_ms(workers, prompts, params, compiled=True)
-        print(f"{workers:>7} {local:>11.2f} {calls:>17.2f} {graph:>20.2f}", flush=True)
+        bare_calls = bare_round_trip_ms(workers, compiled=False)
+        bare_graph = bare_round_trip_ms(workers, compiled=True)
+        print(f"{workers:>7} {local:>11.2f} {calls:>17.2f} {graph:>20.2f}"
+              f"   {'':>32} {bare_calls:>6.2f} {bare_graph:>6.2f}", flush=True)
     print("compiled graph, step loop in this process: outputs built while the next step runs vs after each step")
     print(f"{'workers':>7} {'overlapped':>11} {'after the step':>15} {'saved':>6}")
     for workers in args.workers:

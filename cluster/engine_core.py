@@ -11,7 +11,6 @@ on; placement-independent sampling makes the continuation exact.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -90,19 +89,18 @@ class EngineCore:
         """Whether this node has a core that no CPU worker's threads use.
 
         Overlapping the coordinator's output building with the step pays only there: on a node whose
-        cores the workers' threads fill, it slows their compute more than it saves (measured on 2
-        cores, one worker with 2 threads: 1531 vs 1685 tokens/s). GPU workers compute on the device.
+        cores the workers' threads fill, it slows their compute more than it saves (bench/step_overhead.py,
+        2 cores, one worker with 2 threads: 0.84-0.89x). GPU workers compute on the device.
         """
         cluster = self.config.cluster
         if cluster.gpus_per_worker > 0:
             return True
-        from workers.threads import usable_cores
+        from workers.threads import threads_for_share, usable_cores
 
         here = ray.get_runtime_context().get_node_id()
         nodes = ray.util.placement_group_table(self.placement)["bundles_to_node_id"].values()
         local_workers = sum(1 for node in nodes if node == here)
-        threads = min(max(1, math.floor(cluster.cpus_per_worker)), usable_cores())
-        return usable_cores() - local_workers * threads >= 1
+        return usable_cores() - local_workers * threads_for_share(cluster.cpus_per_worker) >= 1
 
     def _new_worker(self, index: int) -> Any:
         from cluster.actors import WorkerActor
@@ -304,8 +302,9 @@ class EngineCore:
             self.lock.notify_all()
 
     def _loop(self) -> None:
-        """Plan step N+1 as soon as step N's tokens are in, send it, and build and publish step N's
-        outputs (detokenization included) while the workers compute."""
+        """Plan step N+1 as soon as step N's tokens are in and send it; step N's outputs
+        (detokenization included) are built while the workers compute when ``overlap_outputs``,
+        else before planning."""
         while True:
             with self.lock:
                 if self._stop:

@@ -21,6 +21,7 @@ from cluster import Engine, EngineError
 from cluster.local_engine import LocalEngine
 from coordinator.request import FinishReason
 from processors import SamplingParams
+from workers.threads import usable_cores
 
 PROMPTS = [
     "a b c a b c a b c",
@@ -93,8 +94,6 @@ def test_workers_match_in_process_engine(ray_cluster, in_process_reference, work
         assert [o.token_ids for o in outputs] == in_process_reference
         stats = engine.stats()
         assert stats["workers_alive"] == workers and stats["error"] is None
-        from workers.threads import usable_cores
-
         assert stats["overlap_outputs"] == (usable_cores() - workers >= 1)  # one thread per worker
         assert stats["steps"] > 20  # audited every step
         assert (stats["preemptions"] > 0) == tight, stats
@@ -218,8 +217,6 @@ def test_second_driver_attaches_by_name(ray_cluster):
 def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
     import asyncio
 
-    from workers.threads import usable_cores
-
     engine = start("stream", cluster={"num_workers": 1, "cpus_per_worker": 1})
     try:
         # A core left for the coordinator: step N's outputs are built while step N+1 runs.
@@ -298,8 +295,6 @@ def scrape(engine_name: str) -> dict[str, float]:
 def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
     engine = start("metrics-engine", cluster={"num_workers": 1, "cpus_per_worker": 2})
     try:
-        from workers.threads import usable_cores
-
         [worker] = engine.worker_handles()  # intra-op threads from its CPU share, not the host's cores
         assert ray.get(worker.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())) == \
             min(2, usable_cores())

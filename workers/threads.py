@@ -20,9 +20,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def set_cpu_threads(share: float | None = None) -> int:
-    """Set torch's intra-op threads to ``floor(share)`` (at least 1), or to the usable cores; return it."""
+def threads_for_share(share: float | None = None) -> int:
+    """Intra-op threads for a CPU share: ``floor(share)`` (at least 1), or the usable cores; never more."""
     threads = max(1, math.floor(share)) if share is not None else usable_cores()
-    threads = min(threads, usable_cores())
+    return min(threads, usable_cores())
+
+
+def set_cpu_threads(share: float | None = None) -> int:
+    """Set torch's intra-op threads from ``threads_for_share``; return them."""
+    threads = threads_for_share(share)
     torch.set_num_threads(threads)
     return threads
