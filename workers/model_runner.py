@@ -13,10 +13,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from workers.cpu_linear import prepack_available, prepack_linears
+from workers.decode_layout import block_major_layout
 from workers.model_support import check_model_config, verify_against_eager
 from workers.paged_attention import (
     ATTENTION_NAME,
@@ -172,95 +172,10 @@ class ModelRunner:
 
     def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],
                      positions: list[int]) -> BlockMajorDecode:
-        """Block-major decode attention metadata.
-
-        Blocks read by one row are used in place when they lie densely in their range, else
-        copied next to each other once; blocks read by several rows (a shared prefix, n > 1
-        siblings) are copied once and met by every reader's query in one batched product.
-        """
         bs = self.block_size
         tables = [rows[i].block_table[: (rows[i].start_pos + n - 1) // bs + 1] for i, _, n in members]
-        num_rows = len(tables)
-        counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_rows)
-        used = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=int(counts.sum()))
-        pair_row = np.repeat(np.arange(num_rows), counts)
-        pair_index = np.concatenate([np.arange(c) for c in counts])  # j: the block's place in its row
-        q_len = max(n for _, _, n in members)
-        token_index = np.zeros((num_rows, q_len), dtype=np.int64)
-        query = np.full((num_rows, q_len), -1, dtype=np.int64)  # padding queries attend nothing
-        for r, (_, offset, n) in enumerate(members):
-            token_index[r, :n] = np.arange(offset, offset + n)
-            query[r, :n] = positions[offset : offset + n]
-        valid = (query >= 0).reshape(-1)
-        distinct, inverse, users = np.unique(used, return_inverse=True, return_counts=True)
-        shared_pair = users[inverse] > 1
-        width = int(counts.max())
-
-        # Blocks read by one row: entries 0..span-1, in place or compact.
-        own = used[~shared_pair]
-        gather = None
-        if own.size == 0:
-            lo = hi = 0
-        else:
-            lo, hi = int(own.min()), int(own.max()) + 1
-            if hi - lo > 3 * own.size:
-                gather, lo, hi = own, 0, own.size
-        local = own - lo if gather is None else np.arange(own.size)
-        shared = distinct[users > 1]
-        lanes = int(users.max()) + 1 if shared.size else 0  # one spare lane: a masked entry for padding
-        pad_entry = None
-        if shared.size:
-            pad_entry = (hi - lo) + lanes - 1
-        else:
-            owned = np.zeros(hi - lo, dtype=bool)
-            owned[local] = True
-            if not owned.all():
-                pad_entry = int(np.flatnonzero(~owned)[0])
-            elif width == int(counts.min()):
-                pad_entry = 0  # no padding needed
-            elif gather is None and hi < self.num_blocks:
-                hi += 1
-                pad_entry = hi - lo - 1
-            else:  # every entry is real: append a copy of one block, masked, for the padding
-                gather = np.append(own if gather is not None else np.arange(lo, hi), own[0])
-                lo, hi = 0, gather.size
-                pad_entry = hi - 1
-        span = hi - lo
-        entries = span + shared.size * lanes
-        entry_of_pair = np.empty(used.size, dtype=np.int64)
-        entry_of_pair[~shared_pair] = local
-        lane_rows = None
-        if shared.size:
-            shared_index = np.searchsorted(shared, used[shared_pair])
-            order = np.argsort(shared_index, kind="stable")
-            sorted_index = shared_index[order]
-            first = np.searchsorted(sorted_index, sorted_index)  # start of each block's run
-            lane = np.empty_like(shared_index)
-            lane[order] = np.arange(sorted_index.size) - first
-            entry_of_pair[shared_pair] = span + shared_index * lanes + lane
-            lane_rows = np.full((shared.size, lanes), num_rows, dtype=np.int64)
-            lane_rows[shared_index, lane] = pair_row[shared_pair]
-        row_of_block = np.zeros(span, dtype=np.int64)
-        row_of_block[local] = pair_row[~shared_pair]
-        key_pos = np.full((entries, bs), -1, dtype=np.int64)
-        key_pos[entry_of_pair] = pair_index[:, None] * bs + np.arange(bs)
-        query_pos = np.full((entries, q_len), -1, dtype=np.int64)
-        query_pos[entry_of_pair] = query[pair_row]
-        row_blocks = np.full((num_rows, width), pad_entry if pad_entry is not None else 0, dtype=np.int64)
-        row_blocks[pair_row, pair_index] = entry_of_pair
-        device = self.device
-
-        def tensor(array: np.ndarray | None) -> torch.Tensor | None:
-            return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-        return BlockMajorDecode(
-            lo=lo, hi=hi, gather=tensor(gather),
-            q_len=q_len, token_index=tensor(token_index), tokens=tensor(token_index.reshape(-1)[valid]),
-            valid_flat=tensor(np.flatnonzero(valid)),
-            row_of_block=tensor(row_of_block), row_blocks=tensor(row_blocks),
-            key_pos=tensor(key_pos), query_pos=tensor(query_pos),
-            shared_blocks=tensor(shared) if shared.size else None, lane_rows=tensor(lane_rows),
-        )
+        return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
+                                  [offset for _, offset, _ in members], bs, self.num_blocks, self.device)
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""

@@ -90,25 +90,27 @@ class AttentionGroup:
 class BlockMajorDecode:
     """Rows of up to ``q_len`` queries (decode, draft verification), attended block by block.
 
-    Scores are computed for every block in ``[lo, hi)`` against the queries of the row that owns
-    it (unowned blocks are masked), then gathered per row for the softmax; the probabilities go
-    back to their blocks to multiply V where it lies. Only scores and per-block outputs are
-    gathered, never K/V (except one compact copy when blocks are scattered).
+    Scores are computed for every block of a few pool ranges (``segments``, back to back) against
+    the queries of the row that owns it (unowned blocks are masked), then gathered per row for the
+    softmax; the probabilities go back to their blocks to multiply V where it lies. Only scores and
+    per-block outputs are gathered, never K/V (except one compact copy when blocks are scattered).
+    Built by ``workers.decode_layout``.
     """
 
-    lo: int
-    hi: int
-    gather: torch.Tensor | None  # blocks to copy into a compact range first (then lo = 0, hi = len)
+    segments: list[tuple[int, int]]  # pool block ranges [lo, hi); entries 0.. are their blocks in order
+    gather: torch.Tensor | None  # blocks to copy into one compact range first (then segments = [(0, len)])
     q_len: int
     token_index: torch.Tensor  # (rows, q_len) packed index of each query (padding: 0)
     tokens: torch.Tensor  # (n_valid,) packed indices of the real queries, row-major
     valid_flat: torch.Tensor  # (n_valid,) their positions in rows * q_len
-    row_of_block: torch.Tensor  # (hi - lo,) row owning each block, 0 for unowned (masked)
-    # Entries: the hi - lo blocks of the range, then ``lanes`` entries per shared block (one per row
+    row_of_block: torch.Tensor  # (span,) row owning each block of the segments, 0 for unowned (masked)
+    # Entries: the span blocks of the segments, then ``lanes`` entries per shared block (one per row
     # reading it; padding lanes are masked). A row's j-th block is entry row_blocks[row, j].
     row_blocks: torch.Tensor  # (rows, blocks_per_row); padding: a masked entry
     key_pos: torch.Tensor  # (entries, block_size) absolute key positions; -1 where masked
     query_pos: torch.Tensor  # (entries, q_len) positions of the entry's row's queries; -1 for padding
+    # The masked entry padding points at (rows with fewer blocks); None when no row is padded.
+    pad_entry: int | None = None
     shared_blocks: torch.Tensor | None = None  # (S,) pool blocks read by several rows
     lane_rows: torch.Tensor | None = None  # (S, lanes) row of each lane; ``rows`` (a zero query) for padding
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
@@ -174,15 +176,21 @@ def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Te
     """q ``(rows, kv, G, d)`` with ``G = q_len * g`` (query-major) -> ``(rows, kv, G, d)``.
 
     Eager semantics, K/V read where they lie. Padding in ``row_blocks`` points at a fully masked
-    entry, so its probabilities are exactly zero and it adds nothing.
+    entry whose probabilities are zeroed, so it adds nothing.
     """
     rows, kv, width, dim = q.shape
+    k_ranges, v_ranges = k_pool, v_pool
     if dec.gather is not None:
-        k_blocks, v_blocks = k_pool.index_select(0, dec.gather), v_pool.index_select(0, dec.gather)
-    else:
-        k_blocks, v_blocks = k_pool[dec.lo : dec.hi], v_pool[dec.lo : dec.hi]
+        k_ranges, v_ranges = k_pool.index_select(0, dec.gather), v_pool.index_select(0, dec.gather)
     q = q.to(k_pool.dtype)
-    scores = torch.matmul(q.index_select(0, dec.row_of_block), k_blocks.transpose(-1, -2))  # (B, kv, G, bs)
+    span = dec.row_of_block.shape[0]
+    q_blocks = q.index_select(0, dec.row_of_block)
+    scores = q.new_empty(span, kv, width, k_pool.shape[2])  # (span, kv, G, bs)
+    start = 0
+    for lo, hi in dec.segments:
+        end = start + hi - lo
+        torch.matmul(q_blocks[start:end], k_ranges[lo:hi].transpose(-1, -2), out=scores[start:end])
+        start = end
     if dec.shared_blocks is not None:
         # Each shared block once, against the queries of every row reading it: (S, kv, lanes * G, d).
         shared, lanes = dec.lane_rows.shape
@@ -199,23 +207,31 @@ def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Te
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores.view(entries, kv, dec.q_len, -1, block_size).add_(additive)
-    # Softmax over each row's (blocks, offsets) without moving them next to each other.
+    # Softmax over each row's (blocks, offsets): torch.softmax, whose exp stays fast on masked
+    # scores (a plain exp_ of -1e30 takes a slow path, ~10x).
     per_row = scores[dec.row_blocks]  # (rows, blocks, kv, G, bs)
-    top = per_row.amax(dim=(1, 4), keepdim=True)
+    rows_, blocks = per_row.shape[:2]
+    flat = per_row.permute(0, 2, 3, 1, 4).reshape(rows_, kv, width, blocks * block_size)
     if sinks is not None:
         groups = width // dec.q_len
-        sink = sinks.float().view(kv, 1, groups).expand(kv, dec.q_len, groups).reshape(1, 1, kv, width, 1)
-        top = torch.maximum(top, sink)
-    probs = per_row.sub_(top).exp_()
-    total = probs.sum(dim=(1, 4), keepdim=True)
-    if sinks is not None:
-        total += (sink - top).exp()
-    probs.div_(total)
+        sink = sinks.float().view(kv, 1, groups).expand(kv, dec.q_len, groups).reshape(1, kv, width, 1)
+        flat = torch.softmax(torch.cat([flat, sink.expand(rows_, kv, width, 1)], dim=-1), dim=-1)[..., :-1]
+    else:
+        flat = torch.softmax(flat, dim=-1)
+    probs = flat.reshape(rows_, kv, width, blocks, block_size).permute(0, 3, 1, 2, 4)
     by_entry = torch.zeros_like(scores)
-    by_entry[dec.row_blocks] = probs  # each real entry belongs to one row; padding writes zeros
+    by_entry[dec.row_blocks] = probs  # each real entry belongs to one row
+    if dec.pad_entry is not None:
+        # A padding query (a row with fewer queries) has every key masked, so its softmax is
+        # uniform, not zero, and it may land in the padding entry that other rows sum over.
+        by_entry[dec.pad_entry] = 0
     by_entry = by_entry.to(v_pool.dtype)
-    span = dec.hi - dec.lo
-    out = torch.matmul(by_entry[:span], v_blocks)  # (B, kv, G, d)
+    out = q.new_empty(span, kv, width, dim)
+    start = 0
+    for lo, hi in dec.segments:
+        end = start + hi - lo
+        torch.matmul(by_entry[start:end], v_ranges[lo:hi], out=out[start:end])
+        start = end
     if dec.shared_blocks is not None:
         lane_probs = by_entry[span:].view(shared, lanes, kv, width, -1).transpose(1, 2)
         lane_out = torch.matmul(lane_probs.reshape(shared, kv, lanes * width, -1), v_shared)  # (S, kv, lanes*G, d)

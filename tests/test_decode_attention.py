@@ -1,0 +1,92 @@
+"""Block-major decode attention against a plain per-row reference, over random pool layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.decode_layout import MIN_GAP, block_major_layout, choose_segments
+from workers.paged_attention import _block_major_decode
+
+KV_HEADS, GROUPS, DIM = 2, 2, 8
+
+
+def reference(q, k_pool, v_pool, tables, positions, block_size, scaling, window, softcap, sinks):
+    """Eager attention per row and query over the row's blocks, concatenated: (rows, kv, q_len * g, d)."""
+    rows, q_len = len(tables), max(len(p) for p in positions)
+    out = torch.zeros(rows, KV_HEADS, q_len * GROUPS, DIM, dtype=torch.float64)
+    for r, (table, pos) in enumerate(zip(tables, positions)):
+        keys = k_pool[table].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, DIM).double()
+        values = v_pool[table].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, DIM).double()
+        key_pos = torch.arange(keys.shape[1])
+        for i, p in enumerate(pos):
+            query = q[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i].double()  # (kv, g, d)
+            scores = torch.einsum("hgd,hld->hgl", query, keys) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            allowed = key_pos <= p
+            if window is not None:
+                allowed &= key_pos > p - window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                sink = sinks.double().view(KV_HEADS, GROUPS, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            out[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = torch.einsum("hgl,hld->hgd", probs, values)
+    return out
+
+
+@st.composite
+def layouts(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_blocks = draw(st.integers(4, 48))
+    free = list(draw(st.permutations(range(num_blocks))))
+    q_len = draw(st.integers(1, 3))
+    tables, positions = [], []
+    for _ in range(draw(st.integers(1, 6))):
+        length = draw(st.integers(q_len, 5 * block_size))
+        needed = -(-length // block_size)
+        table = []
+        if tables and draw(st.booleans()):  # a shared prefix: full blocks of an earlier row
+            donor = draw(st.sampled_from(tables))
+            table = donor[: min(len(donor) - 1, needed - 1)] if len(donor) > 1 else []
+        if needed - len(table) > len(free):
+            break
+        table += [free.pop() for _ in range(needed - len(table))]
+        tables.append(table)
+        n = draw(st.integers(1, q_len))
+        positions.append(list(range(length - n, length)))
+    if not tables:
+        tables, positions = [[free.pop()]], [[0]]
+    return block_size, num_blocks, tables, positions
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.sampled_from([None, 2, 5]), st.sampled_from([None, 3.0]), st.booleans(), st.integers(0, 2**16))
+def test_block_major_decode_matches_per_row_attention(layout, window, softcap, with_sinks, seed):
+    block_size, num_blocks, tables, positions = layout
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen)
+    v_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen)
+    offsets = np.cumsum([0] + [len(p) for p in positions])[:-1].tolist()
+    dec = block_major_layout(tables, positions, offsets, block_size, num_blocks, torch.device("cpu"))
+    q_len = dec.q_len
+    q = torch.randn(len(tables), KV_HEADS, q_len * GROUPS, DIM, generator=gen)
+    sinks = torch.randn(KV_HEADS * GROUPS, generator=gen) if with_sinks else None
+    got = _block_major_decode(dec, q, k_pool, v_pool, dec.mask(window), 0.5, softcap, sinks)
+    want = reference(q, k_pool, v_pool, tables, positions, block_size, 0.5, window, softcap, sinks)
+    for r, pos in enumerate(positions):  # padding queries of short rows are not outputs
+        real = got[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, : len(pos)]
+        torch.testing.assert_close(real.double(), want[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, : len(pos)],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_segments_skip_wide_gaps_and_keep_narrow_ones():
+    gap = MIN_GAP
+    own = np.array([0, 1, 2, 2 + gap, 3 + gap, 100, 101])  # a narrow gap (gap - 1 blocks), then a wide one
+    assert choose_segments(own) == [(0, 4 + gap), (100, 102)]
+    assert choose_segments(np.array([7])) == [(7, 8)]
+    assert choose_segments(np.array([], dtype=np.int64)) == []
