@@ -13,6 +13,7 @@ prefix caching across requests is off.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,28 +33,37 @@ def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Seque
 
 
 class BlockPool:
-    """One worker's blocks."""
+    """One worker's blocks.
+
+    Free blocks with no cached content are handed out first, lowest id first: nothing is lost
+    by reusing them, and a step's blocks then stay close together in the pool, which is what
+    decode attention reads in place (``workers.decode_layout``). Blocks holding a cached
+    prefix are evicted after them, least recently used first.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.blank: list[int] = list(range(num_blocks))  # a min-heap of free blocks without a key
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks with a key, in eviction order
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.blank) + len(self.cached)
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` blocks from the head of the free queue, dropping their cached content."""
-        if count > len(self.free):
-            raise RuntimeError(f"asked for {count} KV blocks, {len(self.free)} free")
+        """``count`` free blocks: blank ones first, then the least recently used cached ones (dropping their content)."""
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
         blocks = []
         for _ in range(count):
-            block, _ = self.free.popitem(last=False)
-            key = self.key_of[block]
-            if key is not None:
+            if self.blank:
+                block = heapq.heappop(self.blank)
+            else:
+                block, _ = self.cached.popitem(last=False)
+                key = self.key_of[block]
                 if self.index.get(key) == block:
                     del self.index[key]
                 self.key_of[block] = None
@@ -75,7 +85,7 @@ class BlockPool:
         """Take a reference on cached blocks (a prefix hit)."""
         for block in blocks:
             if self.ref[block] == 0:
-                del self.free[block]
+                del self.cached[block]  # a hit is a keyed block
             self.ref[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -83,7 +93,10 @@ class BlockPool:
         for block in reversed(blocks):
             self.ref[block] -= 1
             if self.ref[block] == 0:
-                self.free[block] = None
+                if self.key_of[block] is None:
+                    heapq.heappush(self.blank, block)
+                else:
+                    self.cached[block] = None
 
     def register(self, block: int, key: bytes) -> None:
         if key not in self.index and self.key_of[block] is None:

@@ -71,6 +71,18 @@ def test_block_pool_refcounts_and_lru_eviction():
         pool.allocate(1)
 
 
+def test_blank_blocks_are_reused_before_any_cached_prefix_is_evicted():
+    pool = BlockPool(6)
+    first = pool.allocate(2)
+    pool.register(first[0], b"k0")  # a full, cached block and a partial tail
+    second = pool.allocate(2)
+    pool.release(first)  # freed first: cached block 0 and blank block 1
+    pool.release(second)  # freed later: two blank blocks
+    assert pool.allocate(4) == [1, 2, 3, 4]  # every blank block, lowest first; the cache keeps k0
+    assert pool.lookup([b"k0"]) == [0]
+    assert pool.allocate(2) == [5, 0] and pool.lookup([b"k0"]) == []
+
+
 def test_chain_keys_identify_whole_prefixes():
     a = chain_keys(list(range(12)), 4, b"")
     b = chain_keys(list(range(8)) + [99, 99, 99, 99], 4, b"")
