@@ -155,9 +155,10 @@ class ModelRunner:
             keep.extend(range(len(ids) - row.num_logits, len(ids)))
         device = self.device
         pos_t = torch.tensor(positions, dtype=torch.long)
-        single = [s for s in spans if s[2] == 1]
-        short = [s for s in spans if 1 < s[2] <= SHORT_QUERY_LIMIT]
-        block_major = [self._block_major(rows, members, positions) for members in (single, short) if members]
+        # Decode rows and draft verification rows in one group: a block read once per layer serves
+        # all of its row's queries, and padding one-token rows to the longest costs only compute.
+        short = [s for s in spans if s[2] <= SHORT_QUERY_LIMIT]
+        block_major = [self._block_major(rows, short, positions)] if short else []
         groups: list[AttentionGroup] = []
         groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
         step = PackedStep(
