@@ -10,10 +10,10 @@ what transformers passes to every attention function: ``sliding_window``,
 Anything else that would change attention is refused (``UnsupportedAttention``)
 rather than ignored.
 
-Rows are attended in groups: one-token rows (decode) together, short multi-token
-rows (draft verification) together padded to the longest, and long rows
-(prefill chunks) one by one, so no mask grows as rows x queries x keys with
-the longest prompt of the batch.
+Rows are attended in groups: rows of up to ``SHORT_QUERY_LIMIT`` queries (decode,
+draft verification) in one block-major group padded to the longest, reading each
+KV block once where it lies, and long rows (prefill chunks) in padded batches, so
+no mask grows as rows x queries x keys with the longest prompt of the batch.
 """
 
 from __future__ import annotations
