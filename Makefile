@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,zoo]'
+	$(PY) -m workers.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -25,4 +26,4 @@ run: $(STAMP)
 	@echo "results: results/default.jsonl"
 
 clean:
-	rm -rf $(VENV) build *.egg-info results
+	rm -rf $(VENV) build *.egg-info results workers/native/build

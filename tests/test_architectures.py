@@ -37,9 +37,9 @@ def eager_greedy(path, prompt: list[int], **overrides) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def engine_for(path) -> LocalEngine:
+def engine_for(path, decode_attention: str = "auto") -> LocalEngine:
     return LocalEngine({
-        "model": {"path": str(path), "max_model_len": 128, "dtype": "float32"},
+        "model": {"path": str(path), "max_model_len": 128, "dtype": "float32", "decode_attention": decode_attention},
         "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 20},
         "cache": {"block_size": 4},
     })
@@ -56,11 +56,15 @@ def test_greedy_matches_eager_generate(model_type):
         assert out.token_ids == eager_greedy(path, prompt), (model_type, len(prompt))
 
 
+@pytest.mark.parametrize("decode_attention", ["native", "torch"])
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "mistral", "qwen2"])
-def test_shared_prefix_blocks_match_eager_generate(model_type):
-    """Prompts sharing 24 tokens: decode reads the shared blocks once for every row (prefix cache hits)."""
+def test_shared_prefix_blocks_match_eager_generate(model_type, decode_attention):
+    """Prompts sharing 24 tokens: decode reads the shared blocks once for every row (prefix cache hits).
+
+    Both decode attention paths: the native CPU kernel (the default here) and torch's block-major one."""
     path = build_arch_model(model_type)
-    engine = engine_for(path)
+    engine = engine_for(path, decode_attention)
+    assert engine.workers[0].runner.native_decode == (decode_attention == "native")
     rng = random.Random(11)
     prefix = [rng.randrange(5, 512) for _ in range(24)]
     shared = [prefix + [rng.randrange(5, 512) for _ in range(n)] for n in (1, 5, 9)]

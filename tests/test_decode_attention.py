@@ -1,13 +1,17 @@
-"""Block-major decode attention against a plain per-row reference, over random pool layouts."""
+"""Decode attention (block-major torch path and the native CPU kernel) against a plain per-row
+reference, over random pool layouts."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.decode_layout import MIN_GAP, block_major_layout, choose_segments
+from workers.model_runner import use_native_decode
+from workers.native_attention import paged_decode
 from workers.paged_attention import _block_major_decode
 
 KV_HEADS, GROUPS, DIM = 2, 2, 8
@@ -82,6 +86,52 @@ def test_block_major_decode_matches_per_row_attention(layout, window, softcap, w
         real = got[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, : len(pos)]
         torch.testing.assert_close(real.double(), want[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, : len(pos)],
                                    rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.sampled_from([None, 2, 5]), st.sampled_from([None, 3.0]), st.booleans(),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
+def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, seed):
+    """The C++ kernel reads each row's blocks through its table, queries packed as in a real step."""
+    block_size, num_blocks, tables, positions = layout
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen).to(dtype)
+    v_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen).to(dtype)
+    sinks = torch.randn(KV_HEADS * GROUPS, generator=gen) if with_sinks else None
+    rows, q_len = len(tables), max(len(p) for p in positions)
+    n_tokens = sum(len(p) for p in positions) + 2  # two packed tokens of other rows (a prefill) stay untouched
+    q_all = torch.randn(n_tokens, KV_HEADS * GROUPS, DIM, generator=gen)
+    order = torch.randperm(n_tokens - 2, generator=gen).tolist()  # rows' tokens anywhere in the step
+    token_index = torch.zeros(rows, q_len, dtype=torch.long)
+    query_pos = torch.full((rows, q_len), -1, dtype=torch.long)
+    block_tables = torch.zeros(rows, max(len(t) for t in tables), dtype=torch.long)
+    q_ref = torch.zeros(rows, KV_HEADS, q_len * GROUPS, DIM)
+    for r, (table, pos) in enumerate(zip(tables, positions)):
+        block_tables[r, : len(table)] = torch.tensor(table)
+        for i, p in enumerate(pos):
+            token_index[r, i] = order.pop()
+            query_pos[r, i] = p
+            q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = q_all[token_index[r, i]].view(KV_HEADS, GROUPS, DIM)
+    out = torch.full_like(q_all, 7.0)
+    paged_decode(q_all, out, k_pool, v_pool, block_tables, token_index, query_pos, 0.5, softcap, window, sinks)
+    want = reference(q_ref, k_pool.float(), v_pool.float(), tables, positions, block_size, 0.5, window, softcap, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for r, pos in enumerate(positions):
+        for i in range(len(pos)):
+            got = out[token_index[r, i]].view(KV_HEADS, GROUPS, DIM)
+            expected = want[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i]
+            torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+    assert (out[-2:] == 7.0).all()
+
+
+def test_native_decode_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="CPU with float32 or bfloat16"):
+        use_native_decode("native", torch.device("cpu"), torch.float16)
+    with pytest.raises(ValueError, match="CPU with float32 or bfloat16"):
+        use_native_decode("native", torch.device("cuda"), torch.float32)
+    assert not use_native_decode("auto", torch.device("cuda"), torch.bfloat16)
+    assert not use_native_decode("torch", torch.device("cpu"), torch.float32)
+    assert use_native_decode("native", torch.device("cpu"), torch.float32)  # built by make setup, or here
 
 
 def test_segments_skip_wide_gaps_and_keep_narrow_ones():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from workers import native_attention
 from workers.cpu_linear import prepack_available, prepack_linears
 from workers.decode_layout import block_major_layout
 from workers.model_support import check_model_config, verify_against_eager
@@ -23,6 +24,7 @@ from workers.paged_attention import (
     SHORT_QUERY_LIMIT,
     AttentionGroup,
     BlockMajorDecode,
+    NativeDecode,
     PackedStep,
     PagedKVCache,
     UnsupportedAttention,
@@ -60,6 +62,23 @@ def default_block_size(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 64
 
 
+def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs in the C++ CPU kernel: ``auto`` where it applies and builds."""
+    if choice == "torch":
+        return False
+    if choice not in ("auto", "native"):
+        raise ValueError(f"decode_attention must be auto, native or torch, got {choice!r}")
+    if not native_attention.supports(device, dtype):
+        if choice == "native":
+            raise ValueError(f"decode_attention=native runs on CPU with float32 or bfloat16, not {device.type} "
+                             f"with {dtype}; use auto or torch")
+        return False
+    if choice == "native":
+        native_attention.load()  # raises NativeKernelUnavailable with the compiler's reason
+        return True
+    return native_attention.available()
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a transformers config."""
     heads = config.num_attention_heads
@@ -75,7 +94,7 @@ class ModelRunner:
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  prepack_cpu_weights: bool = True, block_size: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_rows: int = 64, verify: bool = True) -> None:
+                 max_rows: int = 64, verify: bool = True, decode_attention: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
 
         register_paged_attention()
@@ -95,6 +114,7 @@ class ModelRunner:
                 f"{type(model).__name__} does not accept a custom attention function ({exc})"
             ) from None
         self.model = model.to(self.device).eval()
+        self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
         self.vocab_size = config.vocab_size
         self.block_size = block_size or default_block_size(self.device)
         layers, kv_heads, head_dim = kv_geometry(config)
@@ -110,8 +130,9 @@ class ModelRunner:
             )
         self.last_step: PackedStep | None = None
         self.cache = PagedKVCache(layers, self.num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", self.num_blocks, block_size,
-                    self.num_blocks * per_block / 2**20, self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
+                    block_size, self.num_blocks * per_block / 2**20, self.device,
+                    "native CPU kernel" if self.native_decode else "torch")
         if verify:
             verify_against_eager(self)
         # After the check: prepacked linears are exact to rounding, and the check compares attention.
@@ -158,7 +179,12 @@ class ModelRunner:
         # Decode rows and draft verification rows in one group: a block read once per layer serves
         # all of its row's queries, and padding one-token rows to the longest costs only compute.
         short = [s for s in spans if s[2] <= SHORT_QUERY_LIMIT]
-        block_major = [self._block_major(rows, short, positions)] if short else []
+        native = None
+        block_major: list[BlockMajorDecode] = []
+        if short and self.native_decode:
+            native = self._native(rows, short, positions)
+        elif short:
+            block_major = [self._block_major(rows, short, positions)]
         groups: list[AttentionGroup] = []
         groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
         step = PackedStep(
@@ -167,6 +193,7 @@ class ModelRunner:
             write_offset=torch.tensor(offsets, dtype=torch.long, device=device),
             groups=groups,
             block_major=block_major,
+            native=native,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
@@ -177,6 +204,21 @@ class ModelRunner:
         tables = [rows[i].block_table[: (rows[i].start_pos + n - 1) // bs + 1] for i, _, n in members]
         return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
                                   [offset for _, offset, _ in members], bs, self.num_blocks, self.device)
+
+    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], positions: list[int]) -> NativeDecode:
+        bs = self.block_size
+        q_len = max(n for _, _, n in members)
+        width = max((rows[i].start_pos + n - 1) // bs + 1 for i, _, n in members)
+        tables = torch.zeros(len(members), width, dtype=torch.long)
+        token_index = torch.zeros(len(members), q_len, dtype=torch.long)
+        query_pos = torch.full((len(members), q_len), -1, dtype=torch.long)
+        for r, (i, offset, n) in enumerate(members):
+            needed = (rows[i].start_pos + n - 1) // bs + 1
+            tables[r, :needed] = torch.tensor(rows[i].block_table[:needed], dtype=torch.long)
+            token_index[r, :n] = torch.arange(offset, offset + n)
+            query_pos[r, :n] = torch.tensor(positions[offset : offset + n], dtype=torch.long)
+        return NativeDecode(block_tables=tables, token_index=token_index, query_pos=query_pos,
+                            tokens=token_index[query_pos >= 0])
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""

@@ -11,9 +11,11 @@ Anything else that would change attention is refused (``UnsupportedAttention``)
 rather than ignored.
 
 Rows are attended in groups: rows of up to ``SHORT_QUERY_LIMIT`` queries (decode,
-draft verification) in one block-major group padded to the longest, reading each
-KV block once where it lies, and long rows (prefill chunks) in padded batches, so
-no mask grows as rows x queries x keys with the longest prompt of the batch.
+draft verification) together, and long rows (prefill chunks) in padded batches, so
+no mask grows as rows x queries x keys with the longest prompt of the batch. The
+short rows go to the C++ CPU kernel (``NativeDecode``) where it is in use, else to
+one block-major group padded to the longest, reading each KV block once where it
+lies (any device; also the kernel's reference in the tests).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from workers.native_attention import paged_decode as native_paged_decode
 
 ATTENTION_NAME = "raysample_paged"
 SHORT_QUERY_LIMIT = 16  # multi-token rows up to this many queries are batched together
@@ -128,6 +132,20 @@ class BlockMajorDecode:
 
 
 @dataclass
+class NativeDecode:
+    """Rows of up to ``q_len`` queries for the C++ CPU kernel (``workers.native_attention``).
+
+    The kernel walks each row's block table itself and reads only the keys its queries may see,
+    so the layout is just the tables and the queries' places and positions.
+    """
+
+    block_tables: torch.Tensor  # (rows, width) int64 pool blocks of each row, padded with 0 (never read)
+    token_index: torch.Tensor  # (rows, q_len) packed index of each query (padding: 0)
+    query_pos: torch.Tensor  # (rows, q_len) absolute positions, padding queries last with -1
+    tokens: torch.Tensor  # (n_valid,) packed indices of the real queries
+
+
+@dataclass
 class PackedStep:
     """Everything the attention function needs for one forward, shared by every layer."""
 
@@ -136,6 +154,7 @@ class PackedStep:
     write_offset: torch.Tensor  # (N,)
     groups: list[AttentionGroup]
     block_major: list[BlockMajorDecode] = field(default_factory=list)
+    native: NativeDecode | None = None
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
 
@@ -277,6 +296,13 @@ def paged_attention(
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(n_tokens, heads, head_dim)
     q_all = query[0].transpose(0, 1)  # (N, heads, head_dim)
+    if packed_step.native is not None:
+        native = packed_step.native
+        into = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        native_paged_decode(q_all, into, k_pool, v_pool, native.block_tables, native.token_index, native.query_pos,
+                            scale, softcap, window, s_aux)
+        if into is not out:
+            out[native.tokens] = into[native.tokens].to(out.dtype)
     for dec in packed_step.block_major:
         rows = dec.token_index.shape[0]
         q = q_all[dec.token_index].view(rows, dec.q_len, kv_heads, groups_per_kv, head_dim)

@@ -50,6 +50,7 @@ class Worker:
             kv_cache_memory=config.cache.kv_cache_memory,
             gpu_memory_utilization=config.cache.gpu_memory_utilization,
             max_rows=config.scheduler.slots_per_worker(),
+            decode_attention=config.model.decode_attention,
         )
         tokenizer = None
         if config.reasoning is not None:

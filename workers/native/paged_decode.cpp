@@ -1,0 +1,173 @@
+// Decode attention over the paged KV cache, for rows of one or a few queries (decode, draft
+// verification), on CPU. Each (row, kv head) task reads only the row's valid keys, in place in
+// its blocks: scores for every query of the row and every query head of the group at once, a
+// softmax in float32 (with optional soft-capping, sliding window and sinks, as eager attention),
+// then the probability-weighted sum of V. Loaded with ctypes by workers/native_attention.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &word, sizeof(out));
+  return out;
+}
+
+// Round to the nearest bfloat16 (ties to even), kept as float: with a bfloat16 cache, scores and
+// probabilities are rounded where eager attention's bfloat16 matmuls round them.
+inline float round_bf16(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  word = (word + 0x7fffu + ((word >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+// One (kv head, block) slice of a pool as float32: in place for float32 pools, converted into
+// `scratch` for bfloat16 ones.
+// Hardware prefetchers stop at 4 KiB pages, and one token's key is a few cache lines: fetch the
+// keys `kAhead` tokens on (within the slice) while this one is used.
+constexpr int64_t kAhead = 16;
+
+inline void prefetch_token(const float* token, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(token + d);
+}
+
+inline void prefetch_start(const float* pool, int64_t index, int64_t dim) {
+  for (int64_t t = 0; t < kAhead; ++t) prefetch_token(pool + index + t * dim, dim);
+}
+
+inline const float* slice(const void* pool, int dtype, int64_t index, int64_t count, float* scratch) {
+  if (dtype == 0) return static_cast<const float*>(pool) + index;
+  const uint16_t* src = static_cast<const uint16_t*>(pool) + index;
+  for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_float(src[i]);
+  return scratch;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, head_dim, block_size, table_width, q_len;
+  int64_t q_token_stride, q_head_stride;  // elements; the last dimension is contiguous
+};
+
+void attend_row_head(const float* q_all, float* out, const void* k_pool, const void* v_pool, int dtype,
+                     const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
+                     int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
+  int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < s.q_len; ++i) {
+    if (query_pos[i] < 0) break;  // padding queries come last
+    ++nq;
+    max_pos = std::max(max_pos, query_pos[i]);
+    min_pos = std::min(min_pos, query_pos[i]);
+  }
+  if (nq == 0) return;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
+  const int64_t length = max_pos + 1 - first;
+  const int64_t width = nq * groups;  // query slots: (query, head of the group)
+  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f), scratch;
+  if (dtype != 0) scratch.resize(bs * dim);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(&queries[(i * groups + g) * dim],
+                  q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride,
+                  dim * sizeof(float));
+
+  const int64_t slice_elems = bs * dim;
+  for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
+    const int64_t block = table[b];
+    const float* keys = slice(k_pool, dtype, (block * s.kv_heads + h) * slice_elems, slice_elems, scratch.data());
+    const int64_t lo = std::max(first, b * bs), hi = std::min(max_pos + 1, (b + 1) * bs);
+    if (dtype == 0 && b < max_pos / bs) prefetch_start(static_cast<const float*>(k_pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* key = keys + (t - b * bs) * dim;
+      if (t + kAhead < hi) prefetch_token(key + kAhead * dim, dim);
+      for (int64_t w = 0; w < width; ++w) {
+        const float* query = &queries[w * dim];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+        scores[w * length + (t - first)] = dtype == 0 ? dot : round_bf16(dot);
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t pos = query_pos[i];
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - first, hi = pos + 1 - first;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* row = &scores[(i * groups + g) * length];
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t t = lo; t < hi; ++t) {
+        float value = row[t] * scale;
+        if (softcap > 0.0f) value = std::tanh(value / softcap) * softcap;
+        row[t] = value;
+        top = std::max(top, value);
+      }
+      const float sink = sinks ? sinks[h * groups + g] : -std::numeric_limits<float>::infinity();
+      top = std::max(top, sink);
+      float total = sinks ? std::exp(sink - top) : 0.0f;
+      for (int64_t t = lo; t < hi; ++t) {
+        row[t] = std::exp(row[t] - top);
+        total += row[t];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t t = 0; t < length; ++t) row[t] = (t >= lo && t < hi) ? row[t] * inverse : 0.0f;
+      if (dtype != 0)
+        for (int64_t t = lo; t < hi; ++t) row[t] = round_bf16(row[t]);
+    }
+  }
+
+  for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
+    const int64_t block = table[b];
+    const float* values = slice(v_pool, dtype, (block * s.kv_heads + h) * slice_elems, slice_elems, scratch.data());
+    const int64_t lo = std::max(first, b * bs), hi = std::min(max_pos + 1, (b + 1) * bs);
+    if (dtype == 0 && b < max_pos / bs) prefetch_start(static_cast<const float*>(v_pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* value = values + (t - b * bs) * dim;
+      if (t + kAhead < hi) prefetch_token(value + kAhead * dim, dim);
+      for (int64_t w = 0; w < width; ++w) {
+        const float p = scores[w * length + (t - first)];
+        if (p == 0.0f) continue;
+        float* into = &acc[w * dim];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) into[d] += p * value[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(out + (token_index[i] * s.heads + h * groups + g) * dim, &acc[(i * groups + g) * dim],
+                  dim * sizeof(float));
+}
+
+}  // namespace
+
+extern "C" {
+
+int raysample_abi_version() { return 1; }
+
+// q_all: float32 (tokens, heads, head_dim) with the given strides; out: contiguous, same shape.
+// k_pool, v_pool: (num_blocks, kv_heads, block_size, head_dim), dtype 0 float32, 1 bfloat16.
+// block_tables: int64 (rows, table_width); token_index, query_pos: int64 (rows, q_len), padding
+// queries last with position -1. softcap <= 0: none; window <= 0: none; sinks: float32 (heads,) or null.
+void raysample_paged_decode(const float* q_all, int64_t q_token_stride, int64_t q_head_stride, float* out,
+                            const void* k_pool, const void* v_pool, int dtype, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, const int64_t* block_tables, int64_t table_width,
+                            const int64_t* token_index, const int64_t* query_pos, int64_t rows, int64_t q_len,
+                            float scale, float softcap, int64_t window, const float* sinks, int threads) {
+  const Shape s{heads, kv_heads, head_dim, block_size, table_width, q_len, q_token_stride, q_head_stride};
+  const int64_t tasks = rows * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t r = task / kv_heads, h = task % kv_heads;
+    attend_row_head(q_all, out, k_pool, v_pool, dtype, s, block_tables + r * table_width, token_index + r * q_len,
+                    query_pos + r * q_len, h, scale, softcap, window, sinks);
+  }
+}
+}

@@ -1,0 +1,161 @@
+"""The CPU decode-attention kernel (``workers/native/paged_decode.cpp``), built and loaded with ctypes.
+
+Why native: on CPU, decode attention as batched torch products costs the same per KV block
+whether a row owns it or not and runs a dozen small ops per layer; the kernel reads only each
+row's valid keys, where they lie, in one call per layer. It is a plain shared library (no torch
+headers), so it compiles in about a second with the system C++ compiler: ``make setup`` builds
+it, and a worker that finds it missing builds it on first use. The file name carries a hash of
+the source, the flags and this CPU's features, so a stale or foreign build is never loaded.
+Where no compiler is found, callers fall back to the torch path (``available()`` is False).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 1
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here (no compiler, or the build failed)."""
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where the build of this source, these flags and this CPU lives.
+
+    ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
+    package) the user's cache.
+    """
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_signature().encode()):
+        digest.update(part)
+    folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or SOURCE.parent / "build")
+    if "RAYSAMPLE_KERNEL_DIR" not in os.environ and not os.access(SOURCE.parent, os.W_OK):
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysample" / "kernels"
+    return folder / f"paged_decode-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the kernel unless this exact build exists; atomic, so concurrent workers may race."""
+    target = library_path()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise NativeKernelUnavailable("no C++ compiler (g++, c++ or clang++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeKernelUnavailable(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    for stale in target.parent.glob("paged_decode-*.so"):  # builds of older sources (a loaded one stays mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    library = ctypes.CDLL(str(build()))
+    if library.raysample_abi_version() != ABI_VERSION:
+        raise NativeKernelUnavailable(f"{library_path()} has ABI {library.raysample_abi_version()}, expected {ABI_VERSION}")
+    fn = library.raysample_paged_decode
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64, f32, f32, i64, p,
+                   ctypes.c_int]
+    fn.restype = None
+    return library
+
+
+def load() -> None:
+    """Build and load now; raises ``NativeKernelUnavailable`` with the reason."""
+    _library()
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except NativeKernelUnavailable as exc:
+        logger.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
+        return False
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in DTYPE_CODES
+
+
+def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 block_tables: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, scale: float,
+                 softcap: float | None, window: int | None, sinks: torch.Tensor | None) -> None:
+    """Write the attention output of every real query into ``out[token_index]``.
+
+    ``q_all`` float32 ``(N, heads, d)``; ``out`` contiguous float32 ``(N, heads, d)``; pools
+    ``(blocks, kv_heads, block_size, d)``; ``block_tables`` int64 ``(rows, width)``; ``token_index``
+    and ``query_pos`` int64 ``(rows, q_len)``, padding queries last with position -1.
+    """
+    if q_all.dtype != torch.float32 or q_all.stride(-1) != 1:
+        q_all = q_all.float().contiguous()
+    if not (out.is_contiguous() and out.dtype == torch.float32):
+        raise ValueError("out must be a contiguous float32 tensor")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype):
+        raise ValueError("K/V pools must be contiguous and of one dtype")
+    for name, t in (("block_tables", block_tables), ("token_index", token_index), ("query_pos", query_pos)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 tensor")
+    rows, q_len = token_index.shape
+    heads, dim = q_all.shape[1], q_all.shape[2]
+    num_blocks, kv_heads, block_size = k_pool.shape[:3]
+    # The kernel indexes memory with these: out of range would be a crash or a silent wrong read.
+    if query_pos.shape != token_index.shape or block_tables.shape[0] != rows or out.shape != q_all.shape:
+        raise ValueError("query_pos, token_index, block_tables and out do not match")
+    if heads % kv_heads or v_pool.shape != k_pool.shape or k_pool.shape[3] != dim:
+        raise ValueError(f"{heads} query heads of {dim} do not fit K/V pools {tuple(k_pool.shape)}")
+    if rows and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks
+                 or int(token_index.min()) < 0 or int(token_index.max()) >= q_all.shape[0]
+                 or int(query_pos.max()) >= block_tables.shape[1] * block_size):
+        raise ValueError("a block id, token index or query position is out of range")
+    sink_values = None if sinks is None else sinks.detach().float().contiguous()
+    if sink_values is not None and sink_values.numel() != heads:
+        raise ValueError(f"{sink_values.numel()} sinks for {heads} heads")
+    _library().raysample_paged_decode(
+        q_all.data_ptr(), q_all.stride(0), q_all.stride(1), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size, block_tables.data_ptr(), block_tables.shape[1],
+        token_index.data_ptr(), query_pos.data_ptr(), rows, q_len, scale, softcap or 0.0, window or 0,
+        None if sink_values is None else sink_values.data_ptr(), torch.get_num_threads(),
+    )
+
+
+if __name__ == "__main__":  # make setup: build now, so no worker compiles on its first step
+    print(build())
