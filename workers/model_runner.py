@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from workers import native_attention
@@ -182,7 +183,7 @@ class ModelRunner:
         native = None
         block_major: list[BlockMajorDecode] = []
         if short and self.native_decode:
-            native = self._native(rows, short, positions)
+            native = self._native(rows, short)
         elif short:
             block_major = [self._block_major(rows, short, positions)]
         groups: list[AttentionGroup] = []
@@ -205,20 +206,21 @@ class ModelRunner:
         return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
                                   [offset for _, offset, _ in members], bs, self.num_blocks, self.device)
 
-    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], positions: list[int]) -> NativeDecode:
+    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]]) -> NativeDecode:
         bs = self.block_size
-        q_len = max(n for _, _, n in members)
-        width = max((rows[i].start_pos + n - 1) // bs + 1 for i, _, n in members)
-        tables = torch.zeros(len(members), width, dtype=torch.long)
-        token_index = torch.zeros(len(members), q_len, dtype=torch.long)
-        query_pos = torch.full((len(members), q_len), -1, dtype=torch.long)
-        for r, (i, offset, n) in enumerate(members):
-            needed = (rows[i].start_pos + n - 1) // bs + 1
-            tables[r, :needed] = torch.tensor(rows[i].block_table[:needed], dtype=torch.long)
-            token_index[r, :n] = torch.arange(offset, offset + n)
-            query_pos[r, :n] = torch.tensor(positions[offset : offset + n], dtype=torch.long)
-        return NativeDecode(block_tables=tables, token_index=token_index, query_pos=query_pos,
-                            tokens=token_index[query_pos >= 0])
+        offsets = np.fromiter((offset for _, offset, _ in members), dtype=np.int64, count=len(members))
+        counts = np.fromiter((n for _, _, n in members), dtype=np.int64, count=len(members))
+        starts = np.fromiter((rows[i].start_pos for i, _, _ in members), dtype=np.int64, count=len(members))
+        needed = (starts + counts - 1) // bs + 1  # blocks up to each row's last query
+        tables = np.zeros((len(members), int(needed.max())), dtype=np.int64)
+        for r, (i, _, _) in enumerate(members):
+            tables[r, : needed[r]] = rows[i].block_table[: needed[r]]
+        column = np.arange(int(counts.max()))
+        valid = column < counts[:, None]
+        token_index = np.where(valid, offsets[:, None] + column, 0)
+        return NativeDecode(block_tables=torch.from_numpy(tables), token_index=torch.from_numpy(token_index),
+                            query_pos=torch.from_numpy(np.where(valid, starts[:, None] + column, -1)),
+                            tokens=torch.from_numpy(token_index[valid]))
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""
