@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the batch-wide acceptance behind each row's own
 HISTORY_DECAY = 0.8  # weight of a row's earlier evidence at each new observation
 # A draft must beat the break-even gain by this factor: verification has costs the linear model
-# does not see (a second attention group per layer, the rejection sampler), and a draft that only
-# breaks even is not worth the risk of being slower than no speculation.
+# does not see (the rejection sampler, the drafter), and a draft that only breaks even is not
+# worth the risk of being slower than no speculation.
 MARGIN = 1.25
 # With nothing waiting, rows within this share of the most tokens left are on the critical path.
 CRITICAL_SHARE = 0.9
