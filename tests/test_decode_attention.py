@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from workers.decode_layout import MIN_GAP, block_major_layout, choose_segments
 from workers.model_runner import use_native_decode
+from workers import native_attention
 from workers.native_attention import paged_decode
 from workers.paged_attention import _block_major_decode
 
@@ -132,6 +133,19 @@ def test_native_decode_is_refused_where_it_cannot_run():
     assert not use_native_decode("auto", torch.device("cuda"), torch.bfloat16)
     assert not use_native_decode("torch", torch.device("cpu"), torch.float32)
     assert use_native_decode("native", torch.device("cpu"), torch.float32)  # built by make setup, or here
+
+
+def test_without_a_compiler_auto_falls_back_and_native_names_the_reason(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(tmp_path))  # no build there
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    native_attention._library.cache_clear()
+    try:
+        assert not use_native_decode("auto", torch.device("cpu"), torch.float32)
+        assert "no-such-compiler" in caplog.text
+        with pytest.raises(native_attention.NativeKernelUnavailable, match="no-such-compiler"):
+            use_native_decode("native", torch.device("cpu"), torch.float32)
+    finally:
+        native_attention._library.cache_clear()  # the next caller loads the real build again
 
 
 def test_segments_skip_wide_gaps_and_keep_narrow_ones():

@@ -66,9 +66,11 @@ def build() -> Path:
     target = library_path()
     if target.exists():
         return target
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    wanted = os.environ.get("CXX")
+    compiler = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
-        raise NativeKernelUnavailable("no C++ compiler (g++, c++ or clang++) on PATH")
+        raise NativeKernelUnavailable(f"no C++ compiler: CXX={wanted!r} not found" if wanted
+                                      else "no C++ compiler (g++, c++ or clang++) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
