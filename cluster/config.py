@@ -106,8 +106,9 @@ class CacheSettings(_Section):
     model, and a CPU worker enough for every row at ``max_model_len``.
     """
 
-    # Tokens per block; default 16 on GPU, 64 on CPU (decode attention reads K/V block by
-    # block, and on CPU many tiny products cost more than the padding of larger blocks).
+    # Tokens per block; default 16 on GPU, 64 on CPU (torch's decode attention reads K/V block
+    # by block, and on CPU many tiny products cost more than the padding of larger blocks; the
+    # native CPU kernel reads only valid keys, whatever the block size).
     block_size: int | None = Field(default=None, ge=1, le=1024)
     kv_cache_memory: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)

@@ -3,6 +3,8 @@ reference, over random pool layouts."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +135,13 @@ def test_native_decode_is_refused_where_it_cannot_run():
     assert not use_native_decode("auto", torch.device("cuda"), torch.bfloat16)
     assert not use_native_decode("torch", torch.device("cpu"), torch.float32)
     assert use_native_decode("native", torch.device("cpu"), torch.float32)  # built by make setup, or here
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library built with -ffast-math would switch on flush-to-zero for the whole process."""
+    native_attention.load()
+    assert sys.float_info.min / 2 > 0.0
+    assert float(torch.tensor(sys.float_info.min, dtype=torch.float64) / 2) > 0.0
 
 
 def test_without_a_compiler_auto_falls_back_and_native_names_the_reason(tmp_path, monkeypatch, caplog):

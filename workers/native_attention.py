@@ -27,7 +27,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Reassociation lets dot products reduce as a tree, but never -ffast-math: linked into a shared
+# library it sets flush-to-zero for the whole process on load (tests/test_decode_attention.py).
+FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
+         "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
