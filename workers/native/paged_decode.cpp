@@ -55,6 +55,25 @@ struct Shape {
   int64_t q_token_stride, q_head_stride;  // elements; the last dimension is contiguous
 };
 
+// Calls body(position, token's row of `pool`) for positions first..last of one row and KV head,
+// block by block through its table, prefetching ahead (and the next block's start).
+template <typename Body>
+inline void for_each_key(const void* pool, int dtype, const Shape& s, const int64_t* table, int64_t h, int64_t first,
+                         int64_t last, float* scratch, Body body) {
+  const int64_t bs = s.block_size, dim = s.head_dim, slice_elems = bs * dim;
+  for (int64_t b = first / bs; b <= last / bs; ++b) {
+    const float* tokens = slice(pool, dtype, (table[b] * s.kv_heads + h) * slice_elems, slice_elems, scratch);
+    if (dtype == 0 && b < last / bs)
+      prefetch_start(static_cast<const float*>(pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
+    const int64_t lo = std::max(first, b * bs), hi = std::min(last + 1, (b + 1) * bs);
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* token = tokens + (t - b * bs) * dim;
+      if (t + kAhead < hi) prefetch_token(token + kAhead * dim, dim);
+      body(t, token);
+    }
+  }
+}
+
 void attend_row_head(const float* q_all, float* out, const void* k_pool, const void* v_pool, int dtype,
                      const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
                      int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
@@ -78,24 +97,15 @@ void attend_row_head(const float* q_all, float* out, const void* k_pool, const v
                   q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride,
                   dim * sizeof(float));
 
-  const int64_t slice_elems = bs * dim;
-  for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
-    const int64_t block = table[b];
-    const float* keys = slice(k_pool, dtype, (block * s.kv_heads + h) * slice_elems, slice_elems, scratch.data());
-    const int64_t lo = std::max(first, b * bs), hi = std::min(max_pos + 1, (b + 1) * bs);
-    if (dtype == 0 && b < max_pos / bs) prefetch_start(static_cast<const float*>(k_pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* key = keys + (t - b * bs) * dim;
-      if (t + kAhead < hi) prefetch_token(key + kAhead * dim, dim);
-      for (int64_t w = 0; w < width; ++w) {
-        const float* query = &queries[w * dim];
-        float dot = 0.0f;
+  for_each_key(k_pool, dtype, s, table, h, first, max_pos, scratch.data(), [&](int64_t t, const float* key) {
+    for (int64_t w = 0; w < width; ++w) {
+      const float* query = &queries[w * dim];
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-        scores[w * length + (t - first)] = dtype == 0 ? dot : round_bf16(dot);
-      }
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      scores[w * length + (t - first)] = dtype == 0 ? dot : round_bf16(dot);
     }
-  }
+  });
 
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t pos = query_pos[i];
@@ -123,23 +133,15 @@ void attend_row_head(const float* q_all, float* out, const void* k_pool, const v
     }
   }
 
-  for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
-    const int64_t block = table[b];
-    const float* values = slice(v_pool, dtype, (block * s.kv_heads + h) * slice_elems, slice_elems, scratch.data());
-    const int64_t lo = std::max(first, b * bs), hi = std::min(max_pos + 1, (b + 1) * bs);
-    if (dtype == 0 && b < max_pos / bs) prefetch_start(static_cast<const float*>(v_pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* value = values + (t - b * bs) * dim;
-      if (t + kAhead < hi) prefetch_token(value + kAhead * dim, dim);
-      for (int64_t w = 0; w < width; ++w) {
-        const float p = scores[w * length + (t - first)];
-        if (p == 0.0f) continue;
-        float* into = &acc[w * dim];
+  for_each_key(v_pool, dtype, s, table, h, first, max_pos, scratch.data(), [&](int64_t t, const float* value) {
+    for (int64_t w = 0; w < width; ++w) {
+      const float p = scores[w * length + (t - first)];
+      if (p == 0.0f) continue;
+      float* into = &acc[w * dim];
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) into[d] += p * value[d];
-      }
+      for (int64_t d = 0; d < dim; ++d) into[d] += p * value[d];
     }
-  }
+  });
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(out + (token_index[i] * s.heads + h * groups + g) * dim, &acc[(i * groups + g) * dim],
