@@ -144,6 +144,29 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert float(torch.tensor(sys.float_info.min, dtype=torch.float64) / 2) > 0.0
 
 
+def test_a_worker_without_a_build_compiles_one_on_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(tmp_path))
+    native_attention._library.cache_clear()
+    try:
+        assert use_native_decode("auto", torch.device("cpu"), torch.float32)
+        assert [p.name for p in tmp_path.iterdir()] == [native_attention.library_path().name]
+    finally:
+        native_attention._library.cache_clear()
+
+
+def test_out_of_range_indices_are_refused_before_the_kernel_reads_memory():
+    k_pool = v_pool = torch.zeros(4, 1, 2, 8)
+    q_all, out = torch.zeros(3, 2, 8), torch.zeros(3, 2, 8)
+    tables, token_index, query_pos = torch.tensor([[0, 3]]), torch.tensor([[2]]), torch.tensor([[3]])
+    paged_decode(q_all, out, k_pool, v_pool, tables, token_index, query_pos, 1.0, None, None, None)
+    for bad in ({"tables": torch.tensor([[0, 4]])}, {"token_index": torch.tensor([[3]])},
+                {"query_pos": torch.tensor([[4]])}):
+        args = {"tables": tables, "token_index": token_index, "query_pos": query_pos, **bad}
+        with pytest.raises(ValueError, match="out of range"):
+            paged_decode(q_all, out, k_pool, v_pool, args["tables"], args["token_index"], args["query_pos"],
+                         1.0, None, None, None)
+
+
 def test_without_a_compiler_auto_falls_back_and_native_names_the_reason(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(tmp_path))  # no build there
     monkeypatch.setenv("CXX", "no-such-compiler")

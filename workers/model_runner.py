@@ -183,7 +183,7 @@ class ModelRunner:
         native = None
         block_major: list[BlockMajorDecode] = []
         if short and self.native_decode:
-            native = self._native(rows, short)
+            native = self._native(rows, short, len(ids))
         elif short:
             block_major = [self._block_major(rows, short, positions)]
         groups: list[AttentionGroup] = []
@@ -206,7 +206,7 @@ class ModelRunner:
         return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
                                   [offset for _, offset, _ in members], bs, self.num_blocks, self.device)
 
-    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]]) -> NativeDecode:
+    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], num_tokens: int) -> NativeDecode:
         bs = self.block_size
         offsets = np.fromiter((offset for _, offset, _ in members), dtype=np.int64, count=len(members))
         counts = np.fromiter((n for _, _, n in members), dtype=np.int64, count=len(members))
@@ -218,9 +218,12 @@ class ModelRunner:
         column = np.arange(int(counts.max()))
         valid = column < counts[:, None]
         token_index = np.where(valid, offsets[:, None] + column, 0)
-        return NativeDecode(block_tables=torch.from_numpy(tables), token_index=torch.from_numpy(token_index),
-                            query_pos=torch.from_numpy(np.where(valid, starts[:, None] + column, -1)),
-                            tokens=torch.from_numpy(token_index[valid]))
+        native = NativeDecode(block_tables=torch.from_numpy(tables), token_index=torch.from_numpy(token_index),
+                              query_pos=torch.from_numpy(np.where(valid, starts[:, None] + column, -1)),
+                              tokens=torch.from_numpy(token_index[valid]))
+        native_attention.check_indices(native.block_tables, native.token_index, native.query_pos, self.num_blocks,
+                                       num_tokens, bs)
+        return native
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""

@@ -121,14 +121,31 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPE_CODES
 
 
+def check_indices(block_tables: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor,
+                  num_blocks: int, num_tokens: int, block_size: int) -> None:
+    """The kernel addresses memory with these: out of range would be a crash or a silent wrong read."""
+    for name, t in (("block_tables", block_tables), ("token_index", token_index), ("query_pos", query_pos)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 tensor")
+    if query_pos.shape != token_index.shape or block_tables.shape[0] != token_index.shape[0]:
+        raise ValueError("query_pos, token_index and block_tables do not match")
+    if token_index.shape[0] and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks
+                                 or int(token_index.min()) < 0 or int(token_index.max()) >= num_tokens
+                                 or int(query_pos.max()) >= block_tables.shape[1] * block_size):
+        raise ValueError("a block id, token index or query position is out of range")
+
+
 def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, scale: float,
-                 softcap: float | None, window: int | None, sinks: torch.Tensor | None) -> None:
+                 softcap: float | None, window: int | None, sinks: torch.Tensor | None,
+                 indices_checked: bool = False) -> None:
     """Write the attention output of every real query into ``out[token_index]``.
 
     ``q_all`` float32 ``(N, heads, d)``; ``out`` contiguous float32 ``(N, heads, d)``; pools
     ``(blocks, kv_heads, block_size, d)``; ``block_tables`` int64 ``(rows, width)``; ``token_index``
     and ``query_pos`` int64 ``(rows, q_len)``, padding queries last with position -1.
+    ``indices_checked``: the caller ran ``check_indices`` for this pool and step (the model runner
+    does once per step, not once per layer).
     """
     if q_all.dtype != torch.float32 or q_all.stride(-1) != 1:
         q_all = q_all.float().contiguous()
@@ -136,21 +153,15 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
         raise ValueError("out must be a contiguous float32 tensor")
     if not (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype):
         raise ValueError("K/V pools must be contiguous and of one dtype")
-    for name, t in (("block_tables", block_tables), ("token_index", token_index), ("query_pos", query_pos)):
-        if t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous int64 tensor")
     rows, q_len = token_index.shape
     heads, dim = q_all.shape[1], q_all.shape[2]
     num_blocks, kv_heads, block_size = k_pool.shape[:3]
-    # The kernel indexes memory with these: out of range would be a crash or a silent wrong read.
-    if query_pos.shape != token_index.shape or block_tables.shape[0] != rows or out.shape != q_all.shape:
-        raise ValueError("query_pos, token_index, block_tables and out do not match")
+    if out.shape != q_all.shape:
+        raise ValueError(f"out {tuple(out.shape)} does not match the queries {tuple(q_all.shape)}")
     if heads % kv_heads or v_pool.shape != k_pool.shape or k_pool.shape[3] != dim:
         raise ValueError(f"{heads} query heads of {dim} do not fit K/V pools {tuple(k_pool.shape)}")
-    if rows and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks
-                 or int(token_index.min()) < 0 or int(token_index.max()) >= q_all.shape[0]
-                 or int(query_pos.max()) >= block_tables.shape[1] * block_size):
-        raise ValueError("a block id, token index or query position is out of range")
+    if not indices_checked:
+        check_indices(block_tables, token_index, query_pos, num_blocks, q_all.shape[0], block_size)
     sink_values = None if sinks is None else sinks.detach().float().contiguous()
     if sink_values is not None and sink_values.numel() != heads:
         raise ValueError(f"{sink_values.numel()} sinks for {heads} heads")

@@ -300,7 +300,7 @@ def paged_attention(
         native = packed_step.native
         into = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         native_paged_decode(q_all, into, k_pool, v_pool, native.block_tables, native.token_index, native.query_pos,
-                            scale, softcap, window, s_aux)
+                            scale, softcap, window, s_aux, indices_checked=True)  # by ModelRunner, once per step
         if into is not out:
             out[native.tokens] = into[native.tokens].to(out.dtype)
     for dec in packed_step.block_major:
