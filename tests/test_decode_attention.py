@@ -165,6 +165,9 @@ def test_out_of_range_indices_are_refused_before_the_kernel_reads_memory():
         with pytest.raises(ValueError, match="out of range"):
             paged_decode(q_all, out, k_pool, v_pool, args["tables"], args["token_index"], args["query_pos"],
                          1.0, None, None, None)
+    with pytest.raises(ValueError, match="must come last"):  # the kernel would skip the real query silently
+        paged_decode(q_all, out, k_pool, v_pool, tables, torch.tensor([[0, 2]]), torch.tensor([[-1, 3]]),
+                     1.0, None, None, None)
 
 
 def test_without_a_compiler_auto_falls_back_and_native_names_the_reason(tmp_path, monkeypatch, caplog):

@@ -133,6 +133,8 @@ def check_indices(block_tables: torch.Tensor, token_index: torch.Tensor, query_p
                                  or int(token_index.min()) < 0 or int(token_index.max()) >= num_tokens
                                  or int(query_pos.max()) >= block_tables.shape[1] * block_size):
         raise ValueError("a block id, token index or query position is out of range")
+    if query_pos.shape[1] > 1 and bool(((query_pos[:, 1:] >= 0) & (query_pos[:, :-1] < 0)).any()):
+        raise ValueError("padding queries (position -1) must come last in each row")  # the kernel stops at the first
 
 
 def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
