@@ -120,7 +120,7 @@ def run_transformers(model_dir: Path, jobs, kind: str, dtype: str) -> tuple[int,
     return useful, time.perf_counter() - start
 
 
-def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH) -> tuple[int, float] | None:
+def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH, dtype: str = "float32") -> tuple[int, float] | None:
     import json
     import subprocess
     import tempfile
@@ -132,7 +132,8 @@ def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH) 
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model_dir), "prompts": [p for p, _ in jobs], "max_tokens": [m for _, m in jobs],
-                   "sampling": kind, "max_num_seqs": batch, "max_model_len": 256}, f)
+                   "sampling": kind, "max_num_seqs": batch, "max_model_len": 256,
+                   "dtype": dtype}, f)
     script = Path(__file__).resolve().parent / "vllm_reference.py"
     run = subprocess.run([python, str(script), f.name], capture_output=True, text=True, cwd=tempfile.gettempdir())
     if run.returncode != 0:
@@ -201,14 +202,12 @@ def main() -> None:
                   f"{spec / base:.2f}x best, {median_ratio:.2f}x median", flush=True)
         return
     if args.against == "vllm":
-        if args.dtype != "float32":
-            parser.error("--against vllm runs float32")
         ours_runs, ref_runs = [], []
         for repeat in range(args.repeats):  # alternating (and swapping who goes first), so a slow spell hits both
             if repeat % 2:
                 ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype,
                                                     engine_kind=args.engine)
-            reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling)
+            reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling, dtype=args.dtype)
             if reference is None:
                 return
             if not repeat % 2:

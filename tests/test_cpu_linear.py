@@ -13,15 +13,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_matches_nn_linear(rows, bias):
+def test_prepacked_linear_matches_nn_linear(rows, bias, dtype):
+    if not prepack_available(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN has no native {dtype} kernels on this CPU")
     torch.manual_seed(rows)
-    linear = nn.Linear(48, 80, bias=bias)
+    linear = nn.Linear(48, 80, bias=bias).to(dtype)
     packed = PrepackedLinear(linear)
-    x = torch.randn(2, rows, 48)
+    x = torch.randn(2, rows, 48, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output
     with torch.inference_mode():
-        assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        out = packed(x)
+        assert out.dtype == dtype
+        assert torch.allclose(out.float(), linear(x).float(), atol=tol, rtol=tol)
         assert packed(x[:, ::2]).shape == (2, (rows + 1) // 2, 80)  # non-contiguous input
 
 

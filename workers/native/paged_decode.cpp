@@ -29,25 +29,20 @@ inline float round_bf16(float value) {
   return value;
 }
 
-// One (kv head, block) slice of a pool as float32: in place for float32 pools, converted into
-// `scratch` for bfloat16 ones.
+// A pool element as float32: float32 pools are read as they are, bfloat16 ones widened in the
+// inner loops (a shift, which vectorizes), so a bfloat16 cache is read at half the bytes.
+inline float to_float(float value) { return value; }
+inline float to_float(uint16_t bits) { return bf16_to_float(bits); }
+
 // Hardware prefetchers stop at 4 KiB pages, and one token's key is a few cache lines: fetch the
-// keys `kAhead` tokens on (within the slice) while this one is used.
+// keys `kAhead` tokens on (within the block) while this one is used, and the next block's start.
 constexpr int64_t kAhead = 16;
+constexpr int64_t kLine = 64;  // bytes
 
-inline void prefetch_token(const float* token, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(token + d);
-}
-
-inline void prefetch_start(const float* pool, int64_t index, int64_t dim) {
-  for (int64_t t = 0; t < kAhead; ++t) prefetch_token(pool + index + t * dim, dim);
-}
-
-inline const float* slice(const void* pool, int dtype, int64_t index, int64_t count, float* scratch) {
-  if (dtype == 0) return static_cast<const float*>(pool) + index;
-  const uint16_t* src = static_cast<const uint16_t*>(pool) + index;
-  for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_float(src[i]);
-  return scratch;
+template <typename T>
+inline void prefetch_token(const T* token, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(token);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += kLine) __builtin_prefetch(bytes + b);
 }
 
 struct Shape {
@@ -56,28 +51,30 @@ struct Shape {
 };
 
 // Calls body(position, token's row of `pool`) for positions first..last of one row and KV head,
-// block by block through its table, prefetching ahead (and the next block's start).
-template <typename Body>
-inline void for_each_key(const void* pool, int dtype, const Shape& s, const int64_t* table, int64_t h, int64_t first,
-                         int64_t last, float* scratch, Body body) {
+// block by block through its table, prefetching ahead.
+template <typename T, typename Body>
+inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, int64_t h, int64_t first, int64_t last,
+                         Body body) {
   const int64_t bs = s.block_size, dim = s.head_dim, slice_elems = bs * dim;
   for (int64_t b = first / bs; b <= last / bs; ++b) {
-    const float* tokens = slice(pool, dtype, (table[b] * s.kv_heads + h) * slice_elems, slice_elems, scratch);
-    if (dtype == 0 && b < last / bs)
-      prefetch_start(static_cast<const float*>(pool), (table[b + 1] * s.kv_heads + h) * slice_elems, dim);
+    const T* tokens = pool + (table[b] * s.kv_heads + h) * slice_elems;
+    if (b < last / bs) {
+      const T* next = pool + (table[b + 1] * s.kv_heads + h) * slice_elems;
+      for (int64_t t = 0; t < kAhead; ++t) prefetch_token(next + t * dim, dim);
+    }
     const int64_t lo = std::max(first, b * bs), hi = std::min(last + 1, (b + 1) * bs);
     for (int64_t t = lo; t < hi; ++t) {
-      const float* token = tokens + (t - b * bs) * dim;
+      const T* token = tokens + (t - b * bs) * dim;
       if (t + kAhead < hi) prefetch_token(token + kAhead * dim, dim);
       body(t, token);
     }
   }
 }
 
-void attend_row_head(const float* q_all, float* out, const void* k_pool, const void* v_pool, int dtype,
-                     const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
+template <typename T>
+void attend_row_head(const float* q_all, float* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
                      int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
-  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
   int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < s.q_len; ++i) {
     if (query_pos[i] < 0) break;  // padding queries come last
@@ -89,21 +86,21 @@ void attend_row_head(const float* q_all, float* out, const void* k_pool, const v
   const int64_t first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
   const int64_t length = max_pos + 1 - first;
   const int64_t width = nq * groups;  // query slots: (query, head of the group)
-  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f), scratch;
-  if (dtype != 0) scratch.resize(bs * dim);
+  constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
+  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(&queries[(i * groups + g) * dim],
                   q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride,
                   dim * sizeof(float));
 
-  for_each_key(k_pool, dtype, s, table, h, first, max_pos, scratch.data(), [&](int64_t t, const float* key) {
+  for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
     for (int64_t w = 0; w < width; ++w) {
       const float* query = &queries[w * dim];
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-      scores[w * length + (t - first)] = dtype == 0 ? dot : round_bf16(dot);
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * to_float(key[d]);
+      scores[w * length + (t - first)] = rounded ? round_bf16(dot) : dot;
     }
   });
 
@@ -128,18 +125,18 @@ void attend_row_head(const float* q_all, float* out, const void* k_pool, const v
       }
       const float inverse = 1.0f / total;
       for (int64_t t = 0; t < length; ++t) row[t] = (t >= lo && t < hi) ? row[t] * inverse : 0.0f;
-      if (dtype != 0)
+      if (rounded)
         for (int64_t t = lo; t < hi; ++t) row[t] = round_bf16(row[t]);
     }
   }
 
-  for_each_key(v_pool, dtype, s, table, h, first, max_pos, scratch.data(), [&](int64_t t, const float* value) {
+  for_each_key(v_pool, s, table, h, first, max_pos, [&](int64_t t, const T* value) {
     for (int64_t w = 0; w < width; ++w) {
       const float p = scores[w * length + (t - first)];
       if (p == 0.0f) continue;
       float* into = &acc[w * dim];
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) into[d] += p * value[d];
+      for (int64_t d = 0; d < dim; ++d) into[d] += p * to_float(value[d]);
     }
   });
   for (int64_t i = 0; i < nq; ++i)
@@ -168,8 +165,13 @@ void raysample_paged_decode(const float* q_all, int64_t q_token_stride, int64_t 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t r = task / kv_heads, h = task % kv_heads;
-    attend_row_head(q_all, out, k_pool, v_pool, dtype, s, block_tables + r * table_width, token_index + r * q_len,
-                    query_pos + r * q_len, h, scale, softcap, window, sinks);
+    const int64_t* table = block_tables + r * table_width;
+    if (dtype == 0)
+      attend_row_head(q_all, out, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
+                      token_index + r * q_len, query_pos + r * q_len, h, scale, softcap, window, sinks);
+    else
+      attend_row_head(q_all, out, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
+                      table, token_index + r * q_len, query_pos + r * q_len, h, scale, softcap, window, sinks);
   }
 }
 }
