@@ -93,9 +93,13 @@ def test_block_major_decode_matches_per_row_attention(layout, window, softcap, w
 
 @settings(max_examples=150, deadline=None)
 @given(layouts(), st.sampled_from([None, 2, 5]), st.sampled_from([None, 3.0]), st.booleans(),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
-def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, seed):
-    """The C++ kernel reads each row's blocks through its table, queries packed as in a real step."""
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(0, 2**16))
+def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, q_dtype, seed):
+    """The C++ kernel reads each row's blocks through its table, queries packed as in a real step.
+
+    ``dtype``: the pools'; ``q_dtype``: the queries' and the output's (the model's).
+    """
     block_size, num_blocks, tables, positions = layout
     gen = torch.Generator().manual_seed(seed)
     k_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen).to(dtype)
@@ -103,7 +107,7 @@ def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_s
     sinks = torch.randn(KV_HEADS * GROUPS, generator=gen) if with_sinks else None
     rows, q_len = len(tables), max(len(p) for p in positions)
     n_tokens = sum(len(p) for p in positions) + 2  # two packed tokens of other rows (a prefill) stay untouched
-    q_all = torch.randn(n_tokens, KV_HEADS * GROUPS, DIM, generator=gen)
+    q_all = torch.randn(n_tokens, KV_HEADS * GROUPS, DIM, generator=gen).to(q_dtype)
     order = torch.randperm(n_tokens - 2, generator=gen).tolist()  # rows' tokens anywhere in the step
     token_index = torch.zeros(rows, q_len, dtype=torch.long)
     query_pos = torch.full((rows, q_len), -1, dtype=torch.long)
@@ -114,17 +118,22 @@ def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_s
         for i, p in enumerate(pos):
             token_index[r, i] = order.pop()
             query_pos[r, i] = p
-            q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = q_all[token_index[r, i]].view(KV_HEADS, GROUPS, DIM)
+            q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = q_all[token_index[r, i]].view(KV_HEADS, GROUPS, DIM).float()
     out = torch.full_like(q_all, 7.0)
     paged_decode(q_all, out, k_pool, v_pool, block_tables, token_index, query_pos, 0.5, softcap, window, sinks)
     want = reference(q_ref, k_pool.float(), v_pool.float(), tables, positions, block_size, 0.5, window, softcap, sinks)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    tolerance = 1e-5 if dtype == q_dtype == torch.float32 else 3e-2
     for r, pos in enumerate(positions):
         for i in range(len(pos)):
             got = out[token_index[r, i]].view(KV_HEADS, GROUPS, DIM)
             expected = want[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i]
             torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     assert (out[-2:] == 7.0).all()
+    if q_dtype == torch.bfloat16:  # the same sums as a float32 output, rounded once as torch rounds
+        wide = torch.full(out.shape, 7.0)
+        paged_decode(q_all.float(), wide, k_pool, v_pool, block_tables, token_index, query_pos, 0.5, softcap, window,
+                     sinks)
+        assert torch.equal(out, wide.to(torch.bfloat16))
 
 
 def test_native_decode_is_refused_where_it_cannot_run():

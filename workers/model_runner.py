@@ -119,6 +119,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.block_size = block_size or default_block_size(self.device)
         layers, kv_heads, head_dim = kv_geometry(config)
+        self.kv_heads = kv_heads
         block_size = self.block_size
         per_block = PagedKVCache.bytes_per_block(layers, block_size, kv_heads, head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
@@ -190,14 +191,19 @@ class ModelRunner:
         groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
         step = PackedStep(
             cache=self.cache,
-            write_block=torch.tensor(blocks, dtype=torch.long, device=device),
-            write_offset=torch.tensor(offsets, dtype=torch.long, device=device),
+            write_slots=self._write_slots(blocks, offsets),
             groups=groups,
             block_major=block_major,
             native=native,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
+
+    def _write_slots(self, blocks: list[int], offsets: list[int]) -> torch.Tensor:
+        heads = np.arange(self.kv_heads, dtype=np.int64)
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * self.kv_heads + heads) * self.block_size
+        slots += np.asarray(offsets, dtype=np.int64)[:, None]
+        return torch.from_numpy(slots.reshape(-1)).to(self.device)
 
     def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],
                      positions: list[int]) -> BlockMajorDecode:

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
 # library it sets flush-to-zero for the whole process on load (tests/test_decode_attention.py).
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -97,7 +97,7 @@ def _library() -> ctypes.CDLL:
         raise NativeKernelUnavailable(f"{library_path()} has ABI {library.raysample_abi_version()}, expected {ABI_VERSION}")
     fn = library.raysample_paged_decode
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [p, i64, i64, p, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64, f32, f32, i64, p,
+    fn.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64, f32, f32, i64, p,
                    ctypes.c_int]
     fn.restype = None
     return library
@@ -143,16 +143,19 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
                  indices_checked: bool = False) -> None:
     """Write the attention output of every real query into ``out[token_index]``.
 
-    ``q_all`` float32 ``(N, heads, d)``; ``out`` contiguous float32 ``(N, heads, d)``; pools
+    ``q_all`` ``(N, heads, d)`` and ``out`` (contiguous, same shape and dtype) in float32 or
+    bfloat16, the model's dtype, so neither is converted around the call; pools
     ``(blocks, kv_heads, block_size, d)``; ``block_tables`` int64 ``(rows, width)``; ``token_index``
     and ``query_pos`` int64 ``(rows, q_len)``, padding queries last with position -1.
     ``indices_checked``: the caller ran ``check_indices`` for this pool and step (the model runner
     does once per step, not once per layer).
     """
-    if q_all.dtype != torch.float32 or q_all.stride(-1) != 1:
-        q_all = q_all.float().contiguous()
-    if not (out.is_contiguous() and out.dtype == torch.float32):
-        raise ValueError("out must be a contiguous float32 tensor")
+    if q_all.dtype not in DTYPE_CODES:
+        raise ValueError(f"queries must be float32 or bfloat16, not {q_all.dtype}")
+    if q_all.stride(-1) != 1:
+        q_all = q_all.contiguous()
+    if not (out.is_contiguous() and out.dtype == q_all.dtype):
+        raise ValueError(f"out must be a contiguous {q_all.dtype} tensor")
     if not (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype):
         raise ValueError("K/V pools must be contiguous and of one dtype")
     rows, q_len = token_index.shape
@@ -168,8 +171,8 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
     if sink_values is not None and sink_values.numel() != heads:
         raise ValueError(f"{sink_values.numel()} sinks for {heads} heads")
     _library().raysample_paged_decode(
-        q_all.data_ptr(), q_all.stride(0), q_all.stride(1), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-        DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size, block_tables.data_ptr(), block_tables.shape[1],
+        q_all.data_ptr(), q_all.stride(0), q_all.stride(1), out.data_ptr(), DTYPE_CODES[q_all.dtype],
+        k_pool.data_ptr(), v_pool.data_ptr(), DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size, block_tables.data_ptr(), block_tables.shape[1],
         token_index.data_ptr(), query_pos.data_ptr(), rows, q_len, scale, softcap or 0.0, window or 0,
         None if sink_values is None else sink_values.data_ptr(), torch.get_num_threads(),
     )

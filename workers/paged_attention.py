@@ -150,8 +150,9 @@ class PackedStep:
     """Everything the attention function needs for one forward, shared by every layer."""
 
     cache: PagedKVCache
-    write_block: torch.Tensor  # (N,)
-    write_offset: torch.Tensor  # (N,)
+    # (N * kv_heads,) where each new token's K/V row goes in a pool viewed as (blocks * kv_heads *
+    # block_size, head_dim), token-major: one index_copy_ per pool and layer.
+    write_slots: torch.Tensor
     groups: list[AttentionGroup]
     block_major: list[BlockMajorDecode] = field(default_factory=list)
     native: NativeDecode | None = None
@@ -287,10 +288,12 @@ def paged_attention(
     packed_step.layers_called.add(layer)
     cache = packed_step.cache
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
-    k_pool[packed_step.write_block, :, packed_step.write_offset] = key[0].transpose(0, 1).to(k_pool.dtype)
-    v_pool[packed_step.write_block, :, packed_step.write_offset] = value[0].transpose(0, 1).to(v_pool.dtype)
+    head_dim = query.shape[3]
+    for pool, new in ((k_pool, key), (v_pool, value)):
+        rows = new[0].transpose(0, 1).reshape(-1, head_dim).to(pool.dtype)  # (N * kv_heads, d), token-major
+        pool.view(-1, head_dim).index_copy_(0, packed_step.write_slots, rows)
 
-    heads, n_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    heads, n_tokens = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[1]
     groups_per_kv = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
@@ -298,11 +301,8 @@ def paged_attention(
     q_all = query[0].transpose(0, 1)  # (N, heads, head_dim)
     if packed_step.native is not None:
         native = packed_step.native
-        into = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
-        native_paged_decode(q_all, into, k_pool, v_pool, native.block_tables, native.token_index, native.query_pos,
+        native_paged_decode(q_all, out, k_pool, v_pool, native.block_tables, native.token_index, native.query_pos,
                             scale, softcap, window, s_aux, indices_checked=True)  # by ModelRunner, once per step
-        if into is not out:
-            out[native.tokens] = into[native.tokens].to(out.dtype)
     for dec in packed_step.block_major:
         rows = dec.token_index.shape[0]
         q = q_all[dec.token_index].view(rows, dec.q_len, kv_heads, groups_per_kv, head_dim)

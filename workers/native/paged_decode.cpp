@@ -34,6 +34,18 @@ inline float round_bf16(float value) {
 inline float to_float(float value) { return value; }
 inline float to_float(uint16_t bits) { return bf16_to_float(bits); }
 
+inline void store(float* into, float value) { *into = value; }
+inline void store(uint16_t* into, float value) {  // round to nearest even, as torch's .to(bfloat16)
+  if (std::isnan(value)) {
+    *into = 0x7fc0u;
+    return;
+  }
+  const float rounded = round_bf16(value);
+  uint32_t word;
+  std::memcpy(&word, &rounded, sizeof(word));
+  *into = static_cast<uint16_t>(word >> 16);
+}
+
 // Hardware prefetchers stop at 4 KiB pages, and one token's key is a few cache lines: fetch the
 // keys `kAhead` tokens on (within the block) while this one is used, and the next block's start.
 constexpr int64_t kAhead = 16;
@@ -71,8 +83,9 @@ inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, in
   }
 }
 
-template <typename T>
-void attend_row_head(const float* q_all, float* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
+// T: the pools' element type; Q: the queries' and the output's (the model's dtype).
+template <typename T, typename Q>
+void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
                      int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
   const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
   int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
@@ -89,10 +102,10 @@ void attend_row_head(const float* q_all, float* out, const T* k_pool, const T* v
   constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
   std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f);
   for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < groups; ++g)
-      std::memcpy(&queries[(i * groups + g) * dim],
-                  q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride,
-                  dim * sizeof(float));
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q* query = q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride;
+      for (int64_t d = 0; d < dim; ++d) queries[(i * groups + g) * dim + d] = to_float(query[d]);
+    }
 
   for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
     for (int64_t w = 0; w < width; ++w) {
@@ -140,22 +153,24 @@ void attend_row_head(const float* q_all, float* out, const T* k_pool, const T* v
     }
   });
   for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < groups; ++g)
-      std::memcpy(out + (token_index[i] * s.heads + h * groups + g) * dim, &acc[(i * groups + g) * dim],
-                  dim * sizeof(float));
+    for (int64_t g = 0; g < groups; ++g) {
+      Q* into = out + (token_index[i] * s.heads + h * groups + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) store(into + d, acc[(i * groups + g) * dim + d]);
+    }
 }
 
 }  // namespace
 
 extern "C" {
 
-int raysample_abi_version() { return 1; }
+int raysample_abi_version() { return 2; }
 
-// q_all: float32 (tokens, heads, head_dim) with the given strides; out: contiguous, same shape.
-// k_pool, v_pool: (num_blocks, kv_heads, block_size, head_dim), dtype 0 float32, 1 bfloat16.
+// q_all: (tokens, heads, head_dim) with the given strides; out: contiguous, same shape; both of
+// q_dtype. k_pool, v_pool: (num_blocks, kv_heads, block_size, head_dim) of dtype. Dtype codes:
+// 0 float32, 1 bfloat16.
 // block_tables: int64 (rows, table_width); token_index, query_pos: int64 (rows, q_len), padding
 // queries last with position -1. softcap <= 0: none; window <= 0: none; sinks: float32 (heads,) or null.
-void raysample_paged_decode(const float* q_all, int64_t q_token_stride, int64_t q_head_stride, float* out,
+void raysample_paged_decode(const void* q_all, int64_t q_token_stride, int64_t q_head_stride, void* out, int q_dtype,
                             const void* k_pool, const void* v_pool, int dtype, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, int64_t block_size, const int64_t* block_tables, int64_t table_width,
                             const int64_t* token_index, const int64_t* query_pos, int64_t rows, int64_t q_len,
@@ -166,12 +181,20 @@ void raysample_paged_decode(const float* q_all, int64_t q_token_stride, int64_t 
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t r = task / kv_heads, h = task % kv_heads;
     const int64_t* table = block_tables + r * table_width;
-    if (dtype == 0)
-      attend_row_head(q_all, out, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
-                      token_index + r * q_len, query_pos + r * q_len, h, scale, softcap, window, sinks);
+    const int64_t* row_tokens = token_index + r * q_len;
+    const int64_t* row_positions = query_pos + r * q_len;
+    const auto run = [&](auto* queries, auto* into) {
+      if (dtype == 0)
+        attend_row_head(queries, into, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
+                        row_tokens, row_positions, h, scale, softcap, window, sinks);
+      else
+        attend_row_head(queries, into, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
+                        table, row_tokens, row_positions, h, scale, softcap, window, sinks);
+    };
+    if (q_dtype == 0)
+      run(static_cast<const float*>(q_all), static_cast<float*>(out));
     else
-      attend_row_head(q_all, out, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
-                      table, token_index + r * q_len, query_pos + r * q_len, h, scale, softcap, window, sinks);
+      run(static_cast<const uint16_t*>(q_all), static_cast<uint16_t*>(out));
   }
 }
 }
