@@ -173,8 +173,8 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
     _library().raysample_paged_decode(
         q_all.data_ptr(), q_all.stride(0), q_all.stride(1), out.data_ptr(), DTYPE_CODES[q_all.dtype],
         k_pool.data_ptr(), v_pool.data_ptr(), DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size,
-        block_tables.data_ptr(), block_tables.shape[1], token_index.data_ptr(), query_pos.data_ptr(), rows, q_len, scale, softcap or 0.0, window or 0,
-        None if sink_values is None else sink_values.data_ptr(), torch.get_num_threads(),
+        block_tables.data_ptr(), block_tables.shape[1], token_index.data_ptr(), query_pos.data_ptr(), rows, q_len,
+        scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(), torch.get_num_threads(),
     )
 
 
