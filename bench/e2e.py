@@ -120,7 +120,8 @@ def run_transformers(model_dir: Path, jobs, kind: str, dtype: str) -> tuple[int,
     return useful, time.perf_counter() - start
 
 
-def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH, dtype: str = "float32") -> tuple[int, float] | None:
+def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH,
+             dtype: str = "float32") -> tuple[int, float] | None:
     import json
     import subprocess
     import tempfile

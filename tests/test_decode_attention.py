@@ -118,7 +118,8 @@ def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_s
         for i, p in enumerate(pos):
             token_index[r, i] = order.pop()
             query_pos[r, i] = p
-            q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = q_all[token_index[r, i]].view(KV_HEADS, GROUPS, DIM).float()
+            query = q_all[token_index[r, i]].view(KV_HEADS, GROUPS, DIM)
+            q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = query.float()
     out = torch.full_like(q_all, 7.0)
     paged_decode(q_all, out, k_pool, v_pool, block_tables, token_index, query_pos, 0.5, softcap, window, sinks)
     want = reference(q_ref, k_pool.float(), v_pool.float(), tables, positions, block_size, 0.5, window, softcap, sinks)

@@ -97,8 +97,8 @@ def _library() -> ctypes.CDLL:
         raise NativeKernelUnavailable(f"{library_path()} has ABI {library.raysample_abi_version()}, expected {ABI_VERSION}")
     fn = library.raysample_paged_decode
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64, f32, f32, i64, p,
-                   ctypes.c_int]
+    fn.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64,
+                   f32, f32, i64, p, ctypes.c_int]
     fn.restype = None
     return library
 
@@ -174,7 +174,8 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
         q_all.data_ptr(), q_all.stride(0), q_all.stride(1), out.data_ptr(), DTYPE_CODES[q_all.dtype],
         k_pool.data_ptr(), v_pool.data_ptr(), DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size,
         block_tables.data_ptr(), block_tables.shape[1], token_index.data_ptr(), query_pos.data_ptr(), rows, q_len,
-        scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(), torch.get_num_threads(),
+        scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(),
+        torch.get_num_threads(),
     )
 
 
