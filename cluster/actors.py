@@ -65,8 +65,8 @@ class CoordinatorActor:
     def ready(self) -> bool:
         return self.core.ready()
 
-    def add_requests(self, items: list[tuple[Any, Any, str | None]]) -> list[str]:
-        return self.core.add_requests(items)
+    def add_requests(self, items: list[tuple[Any, Any, str | None]], final_only: bool = False) -> list[str]:
+        return self.core.add_requests(items, final_only)
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)

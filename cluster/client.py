@@ -93,9 +93,10 @@ class Engine:
 
     def submit_many(self, prompts: Sequence[Prompt],
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
-                    request_ids: Sequence[str | None] | None = None) -> list[str]:
+                    request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
+        """``final_only``: the engine builds and publishes only these requests' final outputs."""
         items = list(zip(prompts, params_per_prompt(params, len(prompts)), request_ids or [None] * len(prompts)))
-        return _call(self._actor.add_requests.remote(items), self.timeout_s)
+        return _call(self._actor.add_requests.remote(items, final_only), self.timeout_s)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         return self.submit_many([prompt], params, [request_id])[0]
@@ -123,7 +124,7 @@ class Engine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (blocking); outputs in prompt order."""
         prompts = as_prompt_list(prompts)
-        ids = self.submit_many(prompts, params)
+        ids = self.submit_many(prompts, params, final_only=True)
         final = self.results(ids)
         return [final[rid] for rid in ids]
 

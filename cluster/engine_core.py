@@ -178,9 +178,10 @@ class EngineCore:
     def ready(self) -> bool:
         return True
 
-    def add_requests(self, items: Sequence[tuple[Any, Any, str | None]]) -> list[str]:
+    def add_requests(self, items: Sequence[tuple[Any, Any, str | None]], final_only: bool = False) -> list[str]:
         """Admit requests; parameters are parsed and prompts tokenized before the step loop's lock is
-        taken, so a huge prompt stalls no one, and a bad item fails alone (its own error output)."""
+        taken, so a huge prompt stalls no one, and a bad item fails alone (its own error output).
+        ``final_only``: only their final outputs are built and published."""
         given = [rid for _, _, rid in items if rid is not None]
         if len(set(given)) != len(given):
             raise ValueError("request ids within one call must be distinct")
@@ -203,7 +204,7 @@ class EngineCore:
                       and not self.coordinator.requests[rid].finished]
             if in_use:
                 raise ValueError(f"request id(s) {in_use} already in use")
-            ids = [self.coordinator.add_request(prompt, params, request_id, token_ids, rejected)
+            ids = [self.coordinator.add_request(prompt, params, request_id, token_ids, rejected, final_only)
                    for prompt, params, request_id, token_ids, rejected in prepared]
             self._publish(self.coordinator.take_outputs())
             self.lock.notify_all()

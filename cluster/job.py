@@ -39,7 +39,7 @@ logger = logging.getLogger("raysample.job")
 
 class Backend(Protocol):
     def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                    request_ids: Sequence[str | None] | None = None) -> list[str]: ...
+                    request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]: ...
     def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool) -> list[RequestOutput]: ...
     def stats(self) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
@@ -55,9 +55,9 @@ class LocalBackend:
         self._finished: dict[str, RequestOutput] = {}
 
     def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                    request_ids: Sequence[str | None] | None = None) -> list[str]:
+                    request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
         ids = request_ids or [None] * len(prompts)
-        return [self.engine.add_request(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        return [self.engine.add_request(p, sp, rid, final_only=final_only) for p, sp, rid in zip(prompts, params, ids)]
 
     def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = True) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -435,7 +435,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                 batch.append((rid, context, prompt, params, digest))
             if batch:
                 ids = backend.submit_many([b[2] for b in batch], [b[3] for b in batch],
-                                          [engine_request_id(id_key(b[0])) for b in batch])
+                                          [engine_request_id(id_key(b[0])) for b in batch], final_only=True)
                 in_flight.update({eid: (rid, context, digest) for eid, (rid, context, _, _, digest) in zip(ids, batch)})
             if in_flight:
                 for out in backend.poll(list(in_flight), 1.0, True):

@@ -58,8 +58,10 @@ class LocalEngine:
     def tokenizer(self) -> Any:
         return self.coordinator.tokenizer
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        return self.coordinator.add_request(prompt, params, request_id)
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    final_only: bool = False) -> str:
+        """``final_only``: no intermediate outputs for this request (``generate`` asks so)."""
+        return self.coordinator.add_request(prompt, params, request_id, final_only=final_only)
 
     def abort(self, request_id: str) -> bool:
         return self.coordinator.abort(request_id)
@@ -85,10 +87,11 @@ class LocalEngine:
         return self.coordinator.process(plan, results)
 
     def submit(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[str]:
+               params: SamplingParams | Sequence[SamplingParams] | None = None, final_only: bool = False) -> list[str]:
         """Queue prompts (one prompt may be text or a token-id list); return their request ids."""
         prompts = as_prompt_list(prompts)
-        return [self.add_request(p, sp) for p, sp in zip(prompts, params_per_prompt(params, len(prompts)))]
+        return [self.add_request(p, sp, final_only=final_only)
+                for p, sp in zip(prompts, params_per_prompt(params, len(prompts)))]
 
     def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
         """Step until these requests finish, yielding their outputs as they change."""
@@ -112,6 +115,6 @@ class LocalEngine:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
-        ids = self.submit(prompts, params)
+        ids = self.submit(prompts, params, final_only=True)
         final = {out.request_id: out for out in self.run(ids) if out.finished}
         return [final[rid] for rid in ids]

@@ -137,11 +137,12 @@ class Coordinator:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    rejected: str | None = None) -> str:
+                    rejected: str | None = None, final_only: bool = False) -> str:
         """Queue a request; one that fails validation finishes at once with an error.
 
         ``prompt_token_ids``: a text prompt already tokenized (outside any lock, by ``tokenize``);
-        ``rejected``: the caller already found the request invalid (it finishes with that error).
+        ``rejected``: the caller already found the request invalid (it finishes with that error);
+        ``final_only``: ``take_outputs`` returns only its final output.
         """
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -160,7 +161,7 @@ class Coordinator:
             error = str(exc)
         else:
             error = self._admission_error(prompt_ids, params, request_id)
-        group = RequestGroup(request_id)
+        group = RequestGroup(request_id, final_only=final_only)
         n = params.n if error is None else 1
         for index in range(n):
             child_params = params if n == 1 else params.child(index)
@@ -507,7 +508,8 @@ class Coordinator:
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
             last_tokens.append(accepted)
-            self._pending_outputs[request.group.request_id] = request.group
+            if not request.group.final_only or request.group.finished:
+                self._pending_outputs[request.group.request_id] = request.group
             if request.finished:
                 self._to_remove.append(request.request_id)
         self._last_tokens = last_tokens

@@ -107,6 +107,9 @@ class RequestGroup:
     children: list[Request] = field(default_factory=list)
     owner: int | None = None  # child 0's worker when it scheduled its prompt
     prompt_ready: bool = False  # child 0's prompt blocks are (being) computed
+    # Only the final output is wanted (``generate``, batch jobs): no output is built per step,
+    # as vLLM's offline ``LLM.generate`` asks for FINAL_ONLY.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:

@@ -154,6 +154,30 @@ def test_streaming_deltas_add_up(engine):
         assert mine[-1].finished and not any(o.finished for o in mine[:-1])
 
 
+def test_final_only_requests_give_one_output_equal_to_the_streamed_one(engine):
+    """``generate`` asks for final outputs only (vLLM's FINAL_ONLY): no per-step outputs are built,
+    and the one output is what a streamed request ends with, stop strings and n > 1 included."""
+    prompts = ["Hello there", "café", "The quick"]
+    params = [SamplingParams(seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(seed=6, max_tokens=40, stop=[" the"], ignore_eos=True),
+              SamplingParams(seed=7, max_tokens=9, n=2, ignore_eos=True)]
+    streamed_ids = engine.submit(prompts, params)
+    streamed = list(engine.run(streamed_ids))
+    assert len(streamed) > 3 * len(prompts)  # streaming requests still get an output per step
+    ids = engine.submit(prompts, params, final_only=True)
+    outs = list(engine.run(ids))
+    assert len(outs) == len(prompts) and all(o.finished for o in outs)
+    final = {o.request_id: o for o in streamed if o.finished}
+    by_id = {o.request_id: o for o in outs}
+    for streamed_id, rid in zip(streamed_ids, ids):
+        want, got = final[streamed_id], by_id[rid]
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+        assert [c.new_text for c in got.outputs] == [c.text for c in got.outputs]  # one delta: everything
+        assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
+    assert len(by_id[ids[2]].outputs) == 2
+
+
 def test_abort_mid_generation(engine):
     keep = engine.add_request("Hello", SamplingParams(seed=1, max_tokens=20, ignore_eos=True))
     victim = engine.add_request("World", SamplingParams(seed=2, max_tokens=100, ignore_eos=True))

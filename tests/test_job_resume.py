@@ -98,8 +98,8 @@ class FlakyBackend(LocalBackend):
     def __init__(self, inner: LocalBackend, failing: set[str]) -> None:
         self.inner, self.failing = inner, failing
 
-    def submit_many(self, prompts, params, request_ids=None):
-        return self.inner.submit_many(prompts, params, request_ids)
+    def submit_many(self, prompts, params, request_ids=None, final_only=False):
+        return self.inner.submit_many(prompts, params, request_ids, final_only)
 
     def poll(self, request_ids, timeout_s, finished_only=True):
         outs = self.inner.poll(request_ids, timeout_s, finished_only)
