@@ -1,0 +1,260 @@
+"""What one coordinator costs per step at 1 to 64 workers x 256 rows, with fake workers (no model).
+
+Each step: the workers' results come in, the coordinator accepts the tokens and finishes
+rows (``accept_step``), schedules and builds the next plan (``next_plan``) and serializes it
+once (``pickle``, what one object-store put or one compiled-graph write costs): that is the
+critical path, while the workers wait. Building outputs (``take_outputs``: detokenization,
+``RequestOutput``\\s) is off the path: the engine does it while the workers compute.
+
+Fake workers answer at once with uniformly random tokens for the rows they own (a row may
+hit EOS, 1 in 512); with speculative decoding they accept a random prefix of each row's
+drafts plus one token. Three request mixes:
+
+- ``final``: seeded random sampling, final-only outputs, no stop strings (``generate``, batch jobs)
+- ``stream``: every request streams; half have two stop strings, a quarter ask for 2 logprobs
+- ``spec``: as ``final`` with n-gram speculative decoding, k = 3
+
+Also: the bytes of one pickled plan and of one worker's pickled result, and one real
+``Worker`` (its sampler and processor replicas, a fake model that returns random logits)
+fed the same plans at the largest W: its host time per step without the model.
+
+``--before DIR`` runs the same measurement in another checkout (e.g. a ``git worktree`` of
+the commit before the change) in a subprocess first, and prints both with their ratio.
+
+    python bench/coordinator_scale.py [--workers 1 4 16 64] [--mixes final stream spec] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(os.environ.get("RAYSAMPLE_TREE", Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from cluster.config import load_config  # noqa: E402
+from coordinator.coordinator import coordinator_from_config  # noqa: E402
+from processors import SamplingParams  # noqa: E402
+
+ROWS_PER_WORKER = 256
+BLOCK_SIZE = 16
+VOCAB = 512
+try:  # the wire types' home after issue 25
+    from workers.wire import StepResult  # noqa: E402
+    from workers.sampler import TokenLogprobs  # noqa: E402
+
+    ARRAYS = True
+except ImportError:
+    from coordinator.plan import StepResult  # noqa: E402
+    from workers.sampler import TokenLogprobs  # noqa: E402
+
+    ARRAYS = False
+
+
+def config(workers: int, mix: str) -> Any:
+    rows = ROWS_PER_WORKER * workers
+    raw = {
+        "model": {"tiny": "default", "max_model_len": 512},
+        "cluster": {"num_workers": workers},
+        "scheduler": {"max_num_seqs": rows, "max_num_batched_tokens": rows * 64, "seed": 0},
+        "cache": {"block_size": BLOCK_SIZE},
+    }
+    if mix == "spec":
+        raw["speculative"] = {"num_speculative_tokens": 3, "draft_policy": "fixed"}
+    return load_config(raw)
+
+
+def build(workers: int, mix: str, rng: random.Random) -> Any:
+    cfg = config(workers, mix)
+    path = cfg.model.resolve_path()
+    coordinator = coordinator_from_config(cfg, path, num_blocks=ROWS_PER_WORKER * 40, block_size=BLOCK_SIZE)
+    for i in range(ROWS_PER_WORKER * workers * 3):
+        prompt = [rng.randrange(10, VOCAB) for _ in range(rng.randint(16, 64))]
+        kwargs: dict[str, Any] = {"temperature": 0.8, "seed": i, "max_tokens": rng.randint(64, 400)}
+        if mix == "stream":
+            if i % 2:
+                kwargs["stop"] = ["zq!", " xo"]
+            if i % 4 == 0:
+                kwargs["logprobs"] = 2
+        coordinator.add_request(prompt, SamplingParams(**kwargs), final_only=mix != "stream")
+    return cfg, coordinator
+
+
+def fake_results(plan: Any, workers: int, rng: np.random.Generator) -> list[Any]:
+    """Each worker's answer to ``plan``: one random token per row, or accepted drafts + one."""
+    results = []
+    if ARRAYS:
+        for w in range(workers):
+            lo, hi = (int(x) for x in plan.shards[w])
+            n = hi - lo
+            if plan.draft_counts is not None:
+                drafts = plan.draft_counts[lo:hi]
+                accepted = np.minimum(rng.integers(0, 4, n), drafts)
+                counts = (accepted + 1).astype(np.int32)
+                tokens = rng.integers(10, VOCAB, int(counts.sum())).astype(np.int32)
+                offsets = plan.draft_offsets
+                for i in np.flatnonzero(accepted):  # accepted drafts are the drafts themselves
+                    r = lo + i
+                    first = int(counts[:i].sum())
+                    tokens[first:first + accepted[i]] = plan.draft_tokens[offsets[r]:offsets[r] + accepted[i]]
+            else:
+                counts = None
+                tokens = rng.integers(10, VOCAB, n).astype(np.int32)
+                tokens[rng.random(n) < 1 / VOCAB] = 2
+            logprobs = {}
+            for r in plan.logprob_rows[(plan.logprob_rows >= lo) & (plan.logprob_rows < hi)].tolist():
+                k = int(counts[r - lo]) if counts is not None else 1
+                logprobs[r] = [TokenLogprobs([3, 4], [-0.5, -1.2], 3, -0.5, 1) for _ in range(k)]
+            results.append(StepResult(worker_id=w, step=plan.step, rows=(lo, hi), tokens=tokens, counts=counts,
+                                      logprobs=logprobs))
+        return results
+    for w in range(workers):
+        lo, hi = plan.shards[w]
+        tokens = []
+        for r in range(lo, hi):
+            drafts = plan.drafts[r] if plan.drafts is not None else []
+            k = min(int(rng.integers(0, 4)), len(drafts))
+            tok = int(rng.integers(10, VOCAB))
+            tokens.append(list(drafts[:k]) + [2 if rng.random() < 1 / VOCAB else tok])
+        logprobs = [[TokenLogprobs([3, 4], [-0.5, -1.2], 3, -0.5, 1) for _ in t] for t in tokens]
+        results.append(StepResult(worker_id=w, step=plan.step, rows=(lo, hi), tokens=tokens, logprobs=logprobs))
+    return results
+
+
+class FakeRunner:
+    """Random logits for the rows asked; no weights."""
+
+    vocab_size = VOCAB
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def forward(self, work: list[Any]) -> torch.Tensor:
+        start = time.perf_counter()
+        out = torch.randn(sum(w.num_logits for w in work), VOCAB)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def fake_worker(cfg: Any, worker_id: int) -> Any:
+    from workers.sampler import Sampler
+    from workers.worker import Worker
+
+    sampler = Sampler(cfg.engine_config(None, VOCAB, cfg.model.max_model_len), "cpu", cfg.custom_processors())
+    return Worker(worker_id, FakeRunner(), sampler)
+
+
+def measure(workers: int, mix: str, steps: int, worker_side: bool) -> dict[str, Any]:
+    rng = random.Random(workers)
+    nprng = np.random.default_rng(workers)
+    cfg, coordinator = build(workers, mix, rng)
+    worker = fake_worker(cfg, 0) if worker_side else None
+    critical, off, rows, plan_bytes, result_bytes, worker_ms = [], [], [], [], [], []
+    plan = coordinator.next_plan()
+    warmup = 4 if mix != "spec" else 6
+    for step in range(warmup + steps):
+        if worker is not None:
+            before = worker.runner.seconds
+            start = time.perf_counter()
+            worker.step(plan)
+            worker_ms.append((time.perf_counter() - start - (worker.runner.seconds - before)) * 1000)
+        results = fake_results(plan, workers, nprng)
+        if step == warmup:
+            result_bytes.append(len(pickle.dumps(results[0], protocol=5)))
+        start = time.perf_counter()
+        coordinator.accept_step(plan, results)
+        plan = coordinator.next_plan()
+        blob = pickle.dumps(plan, protocol=5)
+        mid = time.perf_counter()
+        coordinator.take_outputs()
+        end = time.perf_counter()
+        if plan is None:
+            raise RuntimeError("the batch ran dry: add requests")
+        if step >= warmup:
+            critical.append((mid - start) * 1000)
+            off.append((end - mid) * 1000)
+            rows.append(coordinator.num_running())
+            plan_bytes.append(len(blob))
+    med_rows = statistics.median(rows)
+    out = {
+        "workers": workers, "mix": mix, "rows": med_rows,
+        "critical_ms": statistics.median(critical), "off_ms": statistics.median(off),
+        "plan_bytes": int(statistics.median(plan_bytes)), "result_bytes": result_bytes[0],
+    }
+    if worker_ms:
+        out["worker_ms"] = statistics.median(worker_ms[warmup:])
+    return out
+
+
+def run_all(workers: list[int], mixes: list[str], steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for mix in mixes:
+        for w in workers:
+            row = measure(w, mix, steps, worker_side=(w == max(workers) and mix == "final"))
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def table(title: str, rows: list[dict[str, Any]], before: dict[tuple[int, str], dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    head = f"{'mix':7} {'W':>3} {'rows':>6} {'critical ms':>12} {'us/row':>7} {'off-path ms':>12} {'plan B':>9} {'result B':>9}"
+    if before:
+        head += f" {'before ms':>10} {'speed-up':>9}"
+    print(head)
+    for r in rows:
+        line = (f"{r['mix']:7} {r['workers']:>3} {r['rows']:>6.0f} {r['critical_ms']:>12.2f} "
+                f"{1000 * r['critical_ms'] / r['rows']:>7.2f} {r['off_ms']:>12.2f} {r['plan_bytes']:>9} "
+                f"{r['result_bytes']:>9}")
+        b = before.get((r["workers"], r["mix"]))
+        if b is not None:
+            line += f" {b['critical_ms']:>10.2f} {b['critical_ms'] / r['critical_ms']:>8.1f}x"
+        print(line)
+    for r in rows:
+        if "worker_ms" in r:
+            b = before.get((r["workers"], r["mix"]), {})
+            extra = f" (before: {b['worker_ms']:.2f} ms)" if "worker_ms" in b else ""
+            print(f"worker host time per step without the model, W={r['workers']} "
+                  f"({r['rows']:.0f} global rows): {r['worker_ms']:.2f} ms{extra}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--mixes", nargs="+", default=["final", "stream", "spec"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--before", help="another checkout to measure first, in a subprocess")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    before: dict[tuple[int, str], dict[str, Any]] = {}
+    if args.before:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--steps", str(args.steps),
+               "--workers", *map(str, args.workers), "--mixes", *args.mixes]
+        env = {**os.environ, "RAYSAMPLE_TREE": str(Path(args.before).resolve())}
+        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        for row in json.loads(done.stdout):
+            before[(row["workers"], row["mix"])] = row
+    rows = run_all(args.workers, args.mixes, args.steps)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    if before:
+        table(f"before ({args.before})", list(before.values()), {})
+    table("now" if before else "coordinator per step", rows, before)
+
+
+if __name__ == "__main__":
+    main()

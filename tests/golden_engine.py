@@ -1,0 +1,118 @@
+"""Golden outputs of the in-process engine: a fixed mixed workload, recorded once, replayed by tests.
+
+Recorded from main before the coordinator's step loop was vectorized (issue 25); the engine
+must keep reproducing them token for token, finish reasons, logprobs and aborts included.
+
+    python -m tests.golden_engine            # rewrite tests/golden/engine_outputs.json
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from cluster.local_engine import LocalEngine
+from processors import SamplingParams
+
+GOLDEN = Path(__file__).parent / "golden" / "engine_outputs.json"
+# (name, number of workers, extra config)
+SETUPS: list[tuple[str, int, dict[str, Any]]] = [
+    ("w1", 1, {}),
+    ("w2", 2, {}),
+    ("w4", 4, {}),
+    # 40 blocks of 4 tokens per worker: rows get preempted and recomputed.
+    ("w2-tight", 2, {"cache": {"block_size": 4, "kv_cache_memory": 40 * 2 * 2 * 4 * 2 * 16 * 4}}),
+    ("w2-spec", 2, {"speculative": {"num_speculative_tokens": 2, "draft_policy": "fixed"}}),
+]
+NUM_REQUESTS = 60
+ABORT_AT = {5: ["r7", "r30"], 12: ["r41"]}  # step -> request ids aborted before that step
+
+
+def engine_for(num_workers: int, extra: dict[str, Any]) -> LocalEngine:
+    config = {
+        "model": {"tiny": "loopy", "max_model_len": 160},
+        "cluster": {"num_workers": num_workers},
+        "scheduler": {"max_num_seqs": 12, "max_num_batched_tokens": 96, "consistency_check_every": 1},
+        "cache": {"block_size": 4},
+        **extra,
+    }
+    return LocalEngine(config)
+
+
+def workload(tokenizer: Any) -> list[tuple[str, str | list[int], SamplingParams, int]]:
+    """(request id, prompt, params, arrival step) of every request; fixed by a seeded RNG."""
+    rng = random.Random(25)
+    words = "the quick brown fox jumps over lazy dog batch cache token row yes no maybe café 你好 🙂".split()
+    out = []
+    for i in range(NUM_REQUESTS):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))
+        kind = i % 6
+        max_tokens = rng.randint(4, 40)
+        if kind == 0:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        elif kind == 1:
+            params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1000 + i, max_tokens=max_tokens)
+        elif kind == 2:  # unseeded: keyed by request id and the engine seed
+            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, min_tokens=2)
+        elif kind == 3:
+            params = SamplingParams(temperature=0.7, seed=i, n=2, max_tokens=max_tokens)
+        elif kind == 4:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["e", "ox"],
+                                    include_stop_str_in_output=bool(i % 4 == 0))
+        else:
+            params = SamplingParams(temperature=0.9, seed=i, logprobs=2, max_tokens=max_tokens,
+                                    repetition_penalty=1.1, stop_token_ids=[rng.randint(3, 400)])
+        prompt_in: str | list[int] = prompt if i % 5 else tokenizer.encode(prompt, add_special_tokens=False)
+        out.append((f"r{i}", prompt_in, params, rng.randint(0, 10)))
+    return out
+
+
+def run_setup(num_workers: int, extra: dict[str, Any]) -> dict[str, Any]:
+    engine = engine_for(num_workers, extra)
+    requests = workload(engine.tokenizer)
+    finals: dict[str, Any] = {}
+    step = 0
+    while len(finals) < len(requests):
+        for rid, prompt, params, at in requests:
+            if at == step:
+                engine.add_request(prompt, params, request_id=rid, final_only=bool(int(rid[1:]) % 2))
+        for rid in ABORT_AT.get(step, ()):
+            engine.abort(rid)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = record(out)
+        step += 1
+        if step > 5000:
+            raise RuntimeError("golden workload did not finish")
+    return {"steps": step, "outputs": dict(sorted(finals.items()))}
+
+
+def record(out: Any) -> dict[str, Any]:
+    return {
+        "error": out.error,
+        "completions": [
+            {
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": str(c.finish_reason) if c.finish_reason is not None else None,
+                "stop_reason": c.stop_reason,
+                "logprobs": None if c.logprobs is None else [
+                    [lp.sampled_token_id, round(lp.sampled_logprob, 4), lp.top_token_ids] for lp in c.logprobs
+                ],
+            }
+            for c in out.outputs
+        ],
+    }
+
+
+def main() -> None:
+    golden = {name: run_setup(workers, extra) for name, workers, extra in SETUPS}
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {GOLDEN}: " + ", ".join(f"{k} {v['steps']} steps" for k, v in golden.items()))
+
+
+if __name__ == "__main__":
+    main()
