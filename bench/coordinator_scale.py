@@ -92,7 +92,16 @@ def build(workers: int, mix: str, rng: random.Random) -> Any:
     return cfg, coordinator
 
 
-def fake_results(plan: Any, workers: int, rng: np.random.Generator) -> list[Any]:
+def logprob_rows(coordinator: Any) -> np.ndarray:
+    """Rows of the last plan whose requests asked for logprobs (what a worker's sampler knows)."""
+    if not ARRAYS:
+        return np.zeros(0, np.int64)
+    table = coordinator.scheduler.table
+    return np.array([r for r, slot in enumerate(coordinator._plan_slots.tolist())
+                     if table.requests[slot].params.logprobs is not None], dtype=np.int64)
+
+
+def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logprobs: np.ndarray) -> list[Any]:
     """Each worker's answer to ``plan``: one random token per row, or accepted drafts + one."""
     results = []
     if ARRAYS:
@@ -114,7 +123,7 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator) -> list[Any]
                 tokens = rng.integers(10, VOCAB, n).astype(np.int32)
                 tokens[rng.random(n) < 1 / VOCAB] = 2
             logprobs = {}
-            for r in plan.logprob_rows[(plan.logprob_rows >= lo) & (plan.logprob_rows < hi)].tolist():
+            for r in wants_logprobs[(wants_logprobs >= lo) & (wants_logprobs < hi)].tolist():
                 k = int(counts[r - lo]) if counts is not None else 1
                 logprobs[r] = [TokenLogprobs([3, 4], [-0.5, -1.2], 3, -0.5, 1) for _ in range(k)]
             results.append(StepResult(worker_id=w, step=plan.step, rows=(lo, hi), tokens=tokens, counts=counts,
@@ -170,7 +179,7 @@ def measure(workers: int, mix: str, steps: int, worker_side: bool) -> dict[str, 
             start = time.perf_counter()
             worker.step(plan)
             worker_ms.append((time.perf_counter() - start - (worker.runner.seconds - before)) * 1000)
-        results = fake_results(plan, workers, nprng)
+        results = fake_results(plan, workers, nprng, logprob_rows(coordinator))
         if step == warmup:
             result_bytes.append(len(pickle.dumps(results[0], protocol=5)))
         start = time.perf_counter()

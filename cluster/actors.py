@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from coordinator.plan import StepPlan, StepResult, WorkerInfo
+from workers.wire import StepPlan, StepResult, WorkerInfo
 
 
 @ray.remote

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.plan import StepResult
+from workers.wire import StepResult
 
 
 class ConsistencyError(RuntimeError):

@@ -25,7 +25,7 @@ from cluster.config import load_config
 from cluster.ray_metrics import EngineRayMetrics
 from cluster.ray_cluster import create_worker_placement
 from coordinator.coordinator import coordinator_from_config
-from coordinator.plan import StepPlan, StepResult
+from workers.wire import StepPlan, StepResult
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 

@@ -11,17 +11,20 @@ sibling rows whose outputs come back together as one ``RequestOutput``.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.draft_policy import DraftPolicy
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
-from coordinator.plan import AddedRow, PlanUpdate, RowSchedule, StepPlan, StepResult
+from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 from coordinator.request import (
     CompletionOutput,
     FinishReason,
@@ -116,7 +119,8 @@ class Coordinator:
         self.consistency_check_every = consistency_check_every
         self.default_params = default_params or SamplingParams()
         self.kv = KVCacheManager(num_workers, kv.num_blocks, kv.block_size, kv.prefix_caching)
-        self.scheduler = Scheduler(max_num_seqs, num_workers, rows_per_worker, kv.max_num_batched_tokens, self.kv)
+        self.scheduler = Scheduler(max_num_seqs, num_workers, rows_per_worker, kv.max_num_batched_tokens, self.kv,
+                                   model.max_model_len)
         self.batch = PersistentBatch(max_num_seqs)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
         self.rows: dict[str, Request] = {}  # by row id (a child of an n > 1 request has its own)
@@ -124,7 +128,10 @@ class Coordinator:
         self._emitted: dict[str, tuple[int, int]] = {}  # row id -> (text chars, tokens) already reported
         self._to_remove: list[str] = []  # rows to drop from the batch at the next plan
         self._delivered: list[str] = []  # finished requests whose final output was taken
-        self._last_tokens: list[list[int]] = []
+        self._last_tokens: np.ndarray = EMPTY  # accepted last step, flat, rows of the plan's layout
+        self._last_counts: np.ndarray | None = None  # per row; None: one each
+        self._plan_slots: np.ndarray = EMPTY  # each row's slot in the last plan
+        self._streamed: list[Request] = []  # streaming rows that gained tokens; their outputs are built later
         self._last_schedule: StepSchedule | None = None
         self._step = 0
         self._next_id = 0
@@ -270,6 +277,7 @@ class Coordinator:
                 self.scheduler.remove_waiting(request.request_id)
             else:
                 self._to_remove.append(request.request_id)
+                self._mark_done(request)
             request.finish(FinishReason.ABORT)
             self._finalize_text(request)
         self._pending_outputs[request_id] = group
@@ -318,7 +326,7 @@ class Coordinator:
         running = [self.rows[e.request_id] for e in self.batch.entries()]
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove = []
-        self._last_tokens = []
+        self._last_tokens, self._last_counts, self._plan_slots = EMPTY, None, EMPTY
         self._last_schedule = None
         for request in running:
             self.scheduler.release(request)
@@ -339,6 +347,7 @@ class Coordinator:
             request = self.rows[row_id]
             if not request.finished:
                 request.finish(FinishReason.ERROR, error=message, retryable=retryable)
+                self._mark_done(request)
                 self._finalize_text(request)
                 self._pending_outputs[request.group.request_id] = request.group
 
@@ -359,8 +368,10 @@ class Coordinator:
                 request.finish(FinishReason.ERROR, error=message, retryable=True)
                 self._pending_outputs[request.group.request_id] = request.group
         self.scheduler.waiting.clear()
+        for entry in self.batch.entries():
+            self.scheduler.release(self.rows[entry.request_id])
         self.batch = PersistentBatch(self.batch.max_num_reqs)
-        self._to_remove, self._last_tokens = [], []
+        self._to_remove, self._last_tokens, self._last_counts, self._plan_slots = [], EMPTY, None, EMPTY
         return self.take_outputs()
 
     # ----- one step -----
@@ -372,12 +383,14 @@ class Coordinator:
         self._fail_bad_constraints()
         finished = list(dict.fromkeys(self._to_remove))
         self._to_remove = []
+        table = self.scheduler.table
+        keep = np.ones(self.batch.num_reqs, dtype=bool)
         for rid in finished:
+            keep[self.batch.row_of(rid)] = False
             self.scheduler.release(self.rows[rid])
             if self.draft_policy is not None and self.rows[rid].finished:
                 self.draft_policy.forget(rid)
-        gone = set(finished)
-        running = [self.rows[rid] for rid in self.batch.request_ids() if rid not in gone]
+        running = self.batch.row_slots()[keep]
         decision = self.scheduler.schedule(running, self._propose if self.drafter is not None else None)
         for request in decision.preempted:
             finished.append(request.request_id)
@@ -389,12 +402,11 @@ class Coordinator:
                 group.owner = request.owner
         self._mark_prompts_ready(decision)
         admitted = decision.admitted
-        entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in admitted]
+        entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.slot) for r in admitted]
         if not finished and not entries and self.batch.num_reqs == 0:
             return None
         rows = self.batch.update(finished, entries)
-        owners = {rid: self.rows[rid].owner for rid in self.batch.request_ids()}
-        shards = group_by_owner(self.batch, owners, self.scheduler.num_workers)
+        shards = group_by_owner(self.batch, table.owner[self.batch.row_slots()], self.scheduler.num_workers)
         update = self.batch.take_update()
         plan_update = None
         if update is not None:
@@ -403,34 +415,48 @@ class Coordinator:
                 for row, r in zip(rows, admitted)
             ]
             plan_update = PlanUpdate(update.batch_size, list(update.removed), added, list(update.moved))
-        order = self.batch.request_ids()
-        schedule = [
-            RowSchedule(decision.start[rid], decision.num_tokens[rid], tuple(decision.new_blocks[rid]))
-            for rid in order
-        ]
-        drafts = [decision.drafts.get(rid, []) for rid in order] if decision.drafts else None  # None: plain sampling
+        slots = self.batch.row_slots().copy()
+        row_of_slot = np.empty(table.capacity, dtype=np.int64)
+        row_of_slot[slots] = np.arange(len(slots))
+        block_rows, block_counts, block_ids = _runs_by_row(decision.new_blocks, row_of_slot)
+        draft_tokens = draft_counts = None
+        if decision.drafts:  # None: plain sampling
+            draft_rows, draft_counts_of, draft_tokens = _runs_by_row(decision.drafts, row_of_slot)
+            draft_counts = np.zeros(len(slots), dtype=np.int32)
+            draft_counts[draft_rows] = draft_counts_of
         self._step += 1
         every = self.consistency_check_every
         plan = StepPlan(
             step=self._step,
             last_tokens=self._last_tokens,
+            last_counts=self._last_counts,
             update=plan_update,
             shards=shards,
-            all_greedy=all(e.params.temperature < SAMPLING_EPS for e in self.batch.entries()),
-            schedule=schedule,
+            all_greedy=bool(table.greedy[slots].all()),
+            start=decision.start[slots],
+            num_tokens=decision.num_tokens[slots].astype(np.int32),
+            block_rows=block_rows,
+            block_counts=block_counts,
+            block_ids=block_ids,
+            draft_tokens=draft_tokens,
+            draft_counts=draft_counts,
             audit=bool(every) and self._step % every == 0,
-            drafts=drafts,
         )
-        self._last_tokens = []
+        self._last_tokens, self._last_counts = EMPTY, None
+        self._plan_slots = slots
         self._last_schedule = decision
         return plan
 
     def _mark_prompts_ready(self, decision: StepSchedule) -> None:
-        for rid, count in decision.num_tokens.items():
-            request = self.rows[rid]
-            if decision.start[rid] + 1 < request.num_tokens:
-                self.metrics.prefill_tokens += count
-            if request.child_index == 0 and decision.start[rid] + count >= len(request.prompt_token_ids):
+        """Prefill metrics and prompt readiness: only rows still in (or just done with) their prompt."""
+        table = self.scheduler.table
+        slots = decision.scheduled
+        start, count = decision.start[slots], decision.num_tokens[slots]
+        prefill = start + 1 < table.total[slots]
+        self.metrics.prefill_tokens += int(count[prefill].sum())
+        for slot in slots[prefill | (start < table.prompt_len[slots])].tolist():
+            request = table.requests[slot]
+            if request.child_index == 0 and decision.start[slot] + decision.num_tokens[slot] >= len(request.prompt_token_ids):
                 request.group.prompt_ready = True
                 if request.group.owner is None:
                     request.group.owner = request.owner
@@ -468,56 +494,111 @@ class Coordinator:
 
     def accept_step(self, plan: StepPlan, results: Sequence[StepResult]) -> None:
         """Take the sampled tokens of ``plan``'s step and apply stop conditions: all the next plan
-        needs. Building outputs (``take_outputs``) can wait until the next step is sent."""
-        if self.draft_policy is not None and all(s.num_tokens == 1 for s in plan.schedule):
-            drafts = [len(d) for d in plan.drafts or ()]
-            self.draft_policy.observe_step(len(plan.schedule) + sum(drafts), max(drafts, default=0),
+        needs. Building outputs (``take_outputs``) can wait until the next step is sent.
+
+        Rows that sample one token and need no per-token check (no stop ids or strings, no
+        logprobs, no drafts) are accepted with array operations; only the rows that finish and
+        the others run per-request code."""
+        n = plan.batch_size
+        if self.draft_policy is not None and bool((plan.num_tokens == 1).all()):
+            drafts = plan.draft_counts if plan.draft_counts is not None else EMPTY
+            self.draft_policy.observe_step(n + int(drafts.sum()), int(drafts.max(initial=0)),
                                            time.perf_counter() - self._plan_started,
                                            max((r.sample_pass_s for r in results), default=0.0))
-        by_row: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
-        for result in results:
-            start = result.rows[0]
-            for i, tokens in enumerate(result.tokens):
-                lps = result.logprobs[i] if result.logprobs else None
-                by_row[start + i] = (tokens, lps)
-        last_tokens = []
+        tokens, counts, logprobs = _gather(plan, results)
+        table = self.scheduler.table
+        slots = self._plan_slots
+        if len(slots) != n:
+            raise RuntimeError(f"step {plan.step}: results for a plan of {n} rows, {len(slots)} expected")
         now = time.monotonic()
         generated_before = self.metrics.generated_tokens
-        for row, entry in enumerate(self.batch.entries()):
-            request = self.rows[entry.request_id]
-            if request.finished:  # aborted while the step ran
-                last_tokens.append([])
-                continue
-            if row not in by_row:
-                raise RuntimeError(f"step {plan.step}: no worker returned row {row} ({entry.request_id})")
-            sched = plan.schedule[row]
-            computed = sched.start + sched.num_tokens
-            if computed < request.num_tokens:  # a prefill chunk: its sample is not a token
-                request.kv.num_computed = computed
-                last_tokens.append([])
-                continue
-            tokens, lps = by_row[row]
-            if plan.drafts is not None and plan.drafts[row]:
-                self.metrics.spec_proposed += len(plan.drafts[row])
-                self.metrics.spec_accepted += len(tokens) - 1
+        computed = plan.start + plan.num_tokens
+        live = ~table.done[slots]
+        samples = computed >= table.total[slots]
+        chunk = live & ~samples  # a prefill chunk: its sample is not a token
+        table.computed[slots[chunk]] = computed[chunk]
+        simple = live & samples & ~table.per_token[slots]
+        if counts is not None:
+            simple &= counts == 1
+        if plan.draft_counts is not None:
+            simple &= plan.draft_counts == 0
+        offsets = offsets_of(counts) if counts is not None else np.arange(n + 1)
+        accepted_counts = np.zeros(n, dtype=np.int32)
+        # -- rows accepted with array operations --
+        rows = np.flatnonzero(simple)
+        s = slots[rows]
+        token = tokens[offsets[rows]].astype(np.int64)
+        table.computed[s] = computed[rows]
+        total = table.total[s] + 1
+        table.total[s] = total
+        accepted_counts[rows] = 1
+        deque(map(list.append, map(table.outputs.__getitem__, s.tolist()), token.tolist()), maxlen=0)
+        self.metrics.generated_tokens += len(rows)
+        length = total >= table.limit[s]
+        eos = ~length & (total >= table.min_total[s]) & (token == table.eos[s])
+        for i in np.flatnonzero(length | eos).tolist():
+            request = table.requests[s[i]]
+            request.finish(FinishReason.LENGTH if length[i] else FinishReason.STOP)
+            self._finalize_text(request)
+            self._finished_row(request)
+        for slot in s[total - table.prompt_len[s] == 1].tolist():
+            table.requests[slot].first_token_time = now
+        self._streamed.extend(map(table.requests.__getitem__, s[table.stream[s]].tolist()))
+        # -- rows that need per-request code --
+        per_row: dict[int, list[int]] = {}
+        flat = None
+        for r in np.flatnonzero(live & samples & ~simple).tolist():
+            if flat is None:
+                flat = tokens.tolist()
+            slot = int(slots[r])
+            request = table.requests[slot]
+            row_tokens = flat[offsets[r] : offsets[r + 1]]
+            drafted = int(plan.draft_counts[r]) if plan.draft_counts is not None else 0
+            if drafted:
+                self.metrics.spec_proposed += drafted
+                self.metrics.spec_accepted += len(row_tokens) - 1
                 if self.draft_policy is not None:
-                    self.draft_policy.observe(request.request_id, len(plan.drafts[row]), len(tokens) - 1)
-            request.kv.num_computed = computed + len(tokens) - 1
-            accepted = self._accept(request, tokens, lps)
+                    self.draft_policy.observe(request.request_id, drafted, len(row_tokens) - 1)
+            table.computed[slot] = computed[r] + len(row_tokens) - 1
+            accepted = self._accept(request, row_tokens, logprobs.get(r))
+            table.total[slot] = request.num_tokens
             self.metrics.generated_tokens += len(accepted)
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
-            last_tokens.append(accepted)
-            if not request.group.final_only or request.group.finished:
+            per_row[r] = accepted
+            accepted_counts[r] = len(accepted)
+            if not request.group.final_only:
                 self._pending_outputs[request.group.request_id] = request.group
             if request.finished:
-                self._to_remove.append(request.request_id)
-        self._last_tokens = last_tokens
+                self._finished_row(request)
+        if not per_row and bool(simple.all()):
+            self._last_tokens, self._last_counts = token.astype(np.int32), None
+        else:
+            out = np.zeros(int(accepted_counts.sum()), dtype=np.int32)
+            at = offsets_of(accepted_counts)
+            out[at[rows]] = token
+            for r, accepted in per_row.items():
+                out[at[r] : at[r] + len(accepted)] = accepted
+            self._last_tokens, self._last_counts = out, accepted_counts
         self.metrics.steps += 1
         self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
 
+    def _finished_row(self, request: Request) -> None:
+        """A row finished this step: it leaves the batch at the next plan; its output is due."""
+        self._mark_done(request)
+        self._to_remove.append(request.request_id)
+        if request.group.finished or not request.group.final_only:
+            self._pending_outputs[request.group.request_id] = request.group
+
+    def _mark_done(self, request: Request) -> None:
+        if request.slot is not None:
+            self.scheduler.table.done[request.slot] = True
+
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs since the last call; a finished request's final output is delivered once, then forgotten."""
+        for request in self._streamed:
+            self._pending_outputs[request.group.request_id] = request.group
+        self._streamed = []
         outputs = [self._output(g) for g in self._pending_outputs.values()]
         self._pending_outputs = {}
         self._delivered.extend(out.request_id for out in outputs if out.finished)
@@ -527,13 +608,12 @@ class Coordinator:
         """Drop finished, delivered requests whose rows have left the batch: a long-lived engine stays flat."""
         if not self._delivered:
             return
-        in_batch = set(self.batch.request_ids()) | set(self._to_remove)
         keep = []
         for request_id in self._delivered:
             group = self.requests.get(request_id)
             if group is None or not group.finished:
                 continue  # re-used id, running again
-            if any(c.request_id in in_batch for c in group.children):
+            if any(c.slot is not None for c in group.children):  # still holds a row until the next plan
                 keep.append(request_id)
                 continue
             del self.requests[request_id]
@@ -622,6 +702,39 @@ class Coordinator:
             first_token_time=min(first_tokens) if first_tokens else None,
             finished_time=max(c.finished_time for c in group.children) if group.finished else None,
         )
+
+
+def _gather(plan: StepPlan, results: Sequence[StepResult]) -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """Every worker's tokens in row order: flat tokens, per-row counts (None: one each), logprobs by row."""
+    ordered = sorted(results, key=lambda r: r.rows[0])
+    at = 0
+    for result in ordered:
+        lo, hi = result.rows
+        if lo != at:
+            raise RuntimeError(f"step {plan.step}: no worker returned rows {at}..{lo - 1}")
+        at = hi
+    if at != plan.batch_size:
+        raise RuntimeError(f"step {plan.step}: no worker returned rows {at}..{plan.batch_size - 1}")
+    tokens = np.concatenate([r.tokens for r in ordered]) if ordered else EMPTY
+    counts = None
+    if any(r.counts is not None for r in ordered):
+        counts = np.concatenate([r.counts if r.counts is not None else np.ones(r.rows[1] - r.rows[0], np.int32)
+                                 for r in ordered])
+    logprobs: dict[int, Any] = {}
+    for result in ordered:
+        logprobs.update(result.logprobs)
+    return tokens, counts, logprobs
+
+
+def _runs_by_row(runs: dict[int, list[int]], row_of_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-slot lists as (rows ascending, their lengths, the lists concatenated in row order)."""
+    if not runs:
+        return EMPTY, EMPTY, EMPTY
+    pairs = sorted((int(row_of_slot[slot]), values) for slot, values in runs.items())
+    rows = np.array([row for row, _ in pairs], dtype=np.int32)
+    counts = np.array([len(values) for _, values in pairs], dtype=np.int32)
+    flat = np.array([v for _, values in pairs for v in values], dtype=np.int32)
+    return rows, counts, flat
 
 
 def _is_request_level(spec: Any) -> bool:

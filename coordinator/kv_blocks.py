@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Sequence[bytes] = ()) -> list[bytes]:
-    """Keys of every full block of ``tokens``; ``start`` are keys already computed for the first blocks."""
+def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Sequence[bytes] = (),
+               num_blocks: int | None = None) -> list[bytes]:
+    """Keys of the full blocks of ``tokens`` (the first ``num_blocks``); ``start`` are keys already
+    computed for the first blocks."""
     keys = list(start)
     parent = keys[-1] if keys else salt
-    for b in range(len(keys), len(tokens) // block_size):
+    last = len(tokens) // block_size if num_blocks is None else num_blocks
+    for b in range(len(keys), last):
         chunk = tokens[b * block_size : (b + 1) * block_size]
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in chunk))
@@ -157,7 +160,8 @@ class KVCacheManager:
         full = min(computed, len(tokens)) // self.block_size
         if full <= state.num_registered:
             return
-        state.keys = chain_keys(tokens[: full * self.block_size], self.block_size, salt, state.keys[:full])
+        if len(state.keys) < full:  # keys are a function of the tokens: ones computed earlier still hold
+            state.keys = chain_keys(tokens, self.block_size, salt, state.keys, num_blocks=full)
         pool = self.pools[owner]
         for b in range(state.num_registered, full):
             pool.register(state.block_table[b], state.keys[b])

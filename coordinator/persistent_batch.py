@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from processors import BatchUpdate, BatchUpdateBuilder, MoveDirectionality, SamplingParams
 
 
@@ -24,6 +26,7 @@ class BatchEntry:
     params: SamplingParams
     prompt_token_ids: list[int] | None
     output_token_ids: list[int]
+    slot: int = -1  # the coordinator's slot for it (coordinator.slot_table), -1 when not tracked
 
 
 class PersistentBatch:
@@ -41,6 +44,7 @@ class PersistentBatch:
         self._row_of: dict[str, int] = {}
         self._builder = BatchUpdateBuilder()
         self._updated_this_step = False
+        self._slot_of_row = np.full(max_num_reqs, -1, dtype=np.int64)
 
     # ----- reading -----
 
@@ -66,6 +70,10 @@ class PersistentBatch:
     def entries(self) -> list[BatchEntry]:
         """Occupied rows in row order (the batch is contiguous between steps)."""
         return [e for e in self._slots if e is not None]
+
+    def row_slots(self) -> np.ndarray:
+        """Each row's slot, in row order (valid between steps, when the batch is contiguous)."""
+        return self._slot_of_row[: self.num_reqs]
 
     def request_ids(self) -> list[str]:
         return [e.request_id for e in self.entries()]
@@ -114,6 +122,7 @@ class PersistentBatch:
     def _place(self, entry: BatchEntry, row: int) -> None:
         self._slots[row] = entry
         self._row_of[entry.request_id] = row
+        self._slot_of_row[row] = entry.slot
 
     def _condense(self) -> None:
         empty_rows = sorted(self._builder.removed)  # ascending

@@ -136,6 +136,7 @@ class Request:
     owner: int | None = None  # worker holding its row
     kv: KVState | None = None
     kv_owner: int | None = None  # worker whose blocks ``kv`` names
+    slot: int | None = None  # its slot in the scheduler's SlotTable while it holds a row
     num_preemptions: int = 0
     grammar: Future | None = None  # compiling its structured-output constraint
     first_token_time: float | None = None

@@ -16,41 +16,75 @@ block pool, in this order:
 
 So decode rows are never starved by long prompts, and no step computes more
 than the budget.
+
+Per-row state lives in a ``SlotTable`` (arrays): a decode row that needs no new
+block, publishes no full block and preempts nothing costs no Python; only rows
+that change (prefills, a block boundary, drafts, admissions) run per-request
+code, in arrival order, exactly as a loop over every row would. A step where an
+owner runs short of blocks runs step 1 per request, which preempts.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.persistent_batch import PersistentBatch
 from coordinator.request import Request
+from coordinator.slot_table import SlotTable
 
 # (rows that sample this step, token budget left) -> drafts by request id
 DraftProposer = Callable[[list[Request], int], dict[str, list[int]]]
 
 
+class TokenView(Sequence):
+    """Prompt + output of a request without concatenating them (prefix keys read one block at a time)."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            p = len(self.prompt)
+            index = index + len(self) if index < 0 else index
+            return self.prompt[index] if index < p else self.output[index - p]
+        start, stop, _ = index.indices(len(self))
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p : stop - p]
+        if stop <= p:
+            return self.prompt[start:stop]
+        return self.prompt[start:] + self.output[: stop - p]
+
+
 @dataclass
 class StepSchedule:
-    """What the scheduler decided for one step."""
+    """What the scheduler decided for one step; per-row figures are indexed by slot."""
 
+    start: np.ndarray  # tokens already computed when the step starts
+    num_tokens: np.ndarray  # tokens fed this step (drafts excluded); 0: not scheduled
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    num_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens fed (drafts excluded)
-    start: dict[str, int] = field(default_factory=dict)  # request id -> tokens already computed
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # slots that run this step
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_workers: int, rows_per_worker: int, max_num_batched_tokens: int,
-                 kv: KVCacheManager) -> None:
+                 kv: KVCacheManager, max_model_len: int = 1 << 30) -> None:
         self.max_num_seqs = max_num_seqs
         self.rows_per_worker = rows_per_worker
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
+        self.table = SlotTable(max_num_seqs, max_model_len, kv.block_size)
         self.waiting: deque[Request] = deque()
         self.load = [0] * num_workers  # running requests per worker
         self.alive = set(range(num_workers))
@@ -72,7 +106,9 @@ class Scheduler:
         return None
 
     def release(self, request: Request) -> None:
-        """The request leaves its worker (finished, aborted, preempted): free its row and blocks."""
+        """The request leaves its worker (finished, aborted, preempted): free its row, slot and blocks."""
+        if request.slot is not None:
+            self.table.release(request.slot)
         self.drop_kv(request)
         if request.owner is not None:
             self.load[request.owner] -= 1
@@ -91,40 +127,45 @@ class Scheduler:
 
     # ----- one step -----
 
-    def schedule(self, running: list[Request], propose: DraftProposer | None) -> StepSchedule:
-        """``running``: requests in the batch that stay (finished ones already released)."""
-        out = StepSchedule()
+    def schedule(self, running: np.ndarray, propose: DraftProposer | None) -> StepSchedule:
+        """``running``: slots of the requests in the batch that stay (finished ones already released)."""
+        table = self.table
+        out = StepSchedule(np.zeros(table.capacity, np.int64), np.zeros(table.capacity, np.int64))
         budget = self.max_num_batched_tokens
-        running = sorted(running, key=lambda r: r.arrival_seq)
-        active: list[Request] = []
-        preempted_ids: set[str] = set()
+        running = running[np.argsort(table.arrival[running], kind="stable")]  # arrival order
+        computed = table.computed[running]
+        needs_block = computed + 1 > table.cap[running]
+        short = np.bincount(table.owner[running][needs_block], minlength=self.num_workers) > np.array(
+            [pool.num_free for pool in self.kv.pools])
         # 1. one token each, preempting the newest request of an owner that has no block left.
-        for request in running:
-            if request.request_id in preempted_ids:
-                continue
-            while not self._fits(request, request.kv.num_computed + 1):
-                victim = next((r for r in reversed(running)
-                               if r.owner == request.owner and r.request_id not in preempted_ids), None)
-                self._preempt(victim, out)
-                preempted_ids.add(victim.request_id)
-                if victim is request:
-                    break
-            if request.request_id in preempted_ids:
-                continue
-            self._grow(request, out, 1)
-            budget -= 1
-            active.append(request)
+        if short.any():
+            active = self._one_token_each(running, out)
+        else:
+            active = running
+            out.start[running] = computed
+            out.num_tokens[running] = 1
+            commits = table.salted[running] & ((computed + 1) // self.kv.block_size > table.registered[running])
+            changing = needs_block | commits | (computed + 1 < table.total[running])
+            for slot in running[changing].tolist():
+                self._extend(table.requests[slot], out)
+        budget -= len(active)
         # 2. prefills extend their chunk.
-        for request in active:
-            remaining = request.num_tokens - request.kv.num_computed - out.num_tokens[request.request_id]
-            if remaining > 0 and budget > 0:
-                extra = self._affordable(request, min(remaining, budget), extra_after=out.num_tokens[request.request_id])
-                if extra:
-                    self._grow(request, out, extra)
-                    budget -= extra
+        remaining = table.total[active] - table.computed[active] - out.num_tokens[active]
+        for slot in active[remaining > 0].tolist():
+            if budget <= 0:
+                break
+            request = table.requests[slot]
+            table.store(slot)
+            want = min(int(table.total[slot] - table.computed[slot] - out.num_tokens[slot]), budget)
+            extra = self._affordable(request, want, extra_after=int(out.num_tokens[slot]))
+            if extra:
+                out.num_tokens[slot] += extra
+                self._extend(request, out)
+                budget -= extra
         # 3. drafts for rows that sample this step.
         if propose is not None:
-            sampling = [request for request in active if self._samples(request, out)]
+            samples = table.computed[active] + out.num_tokens[active] == table.total[active]
+            sampling = [table.requests[slot] for slot in active[samples].tolist()]
             proposals = propose(sampling, budget) if sampling else {}
             for request in sampling:
                 if budget <= 0:
@@ -132,15 +173,22 @@ class Scheduler:
                 drafts = proposals.get(request.request_id)
                 if not drafts:
                     continue
-                room = self._affordable(request, min(len(drafts), budget),
-                                        extra_after=out.num_tokens[request.request_id])
+                slot = request.slot
+                table.store(slot)
+                fed = int(out.num_tokens[slot])
+                room = self._affordable(request, min(len(drafts), budget), extra_after=fed)
                 if room:
-                    out.drafts[request.request_id] = drafts[:room]
-                    total = request.kv.num_computed + out.num_tokens[request.request_id] + room
-                    out.new_blocks[request.request_id] += self.kv.grow(request.owner, request.kv, total)
+                    out.drafts[slot] = drafts[:room]
+                    total = request.kv.num_computed + fed + room
+                    new = self.kv.grow(request.owner, request.kv, total)
+                    if new:
+                        out.new_blocks.setdefault(slot, []).extend(new)
+                        table.load(slot)
                     budget -= room
         # 4. admissions.
         rows = len(active)
+        admitted = []
+        preempted_ids = {r.request_id for r in out.preempted}
         for request in list(self.waiting):
             if budget <= 0 or rows >= self.max_num_seqs:
                 break
@@ -163,14 +211,43 @@ class Scheduler:
             self.waiting.remove(request)
             self.load[owner] += 1
             out.admitted.append(request)
-            self._grow(request, out, chunk)
-            out.new_blocks[request.request_id] = list(request.kv.block_table)  # the worker's table starts empty
+            slot = self.table.take(request, request.cache_salt(self.kv.prefix_caching) is not None)
+            admitted.append(slot)
+            out.start[slot] = request.kv.num_computed
+            out.num_tokens[slot] = chunk
+            self._extend(request, out)
+            out.new_blocks[slot] = list(request.kv.block_table)  # the worker's table starts empty
             budget -= chunk
             rows += 1
+        out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
         return out
 
-    def _samples(self, request: Request, out: StepSchedule) -> bool:
-        return request.kv.num_computed + out.num_tokens[request.request_id] == request.num_tokens
+    def _one_token_each(self, running: np.ndarray, out: StepSchedule) -> np.ndarray:
+        """Step 1 request by request: some owner lacks blocks for every row's next token."""
+        table = self.table
+        for slot in running.tolist():
+            table.store(slot)
+        requests = [table.requests[slot] for slot in running.tolist()]
+        preempted: set[str] = set()
+        active = []
+        for request in requests:
+            if request.request_id in preempted:
+                continue
+            while not self._fits(request, request.kv.num_computed + 1):
+                victim = next((r for r in reversed(requests)
+                               if r.owner == request.owner and r.request_id not in preempted), None)
+                self._preempt(victim, out)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.request_id in preempted:
+                continue
+            slot = request.slot
+            out.start[slot] = request.kv.num_computed
+            out.num_tokens[slot] = 1
+            self._extend(request, out)
+            active.append(slot)
+        return np.array(active, dtype=np.int64)
 
     def _fits(self, request: Request, total: int) -> bool:
         return self.kv.extra_blocks(request.kv, total) <= self.kv.pools[request.owner].num_free
@@ -181,21 +258,24 @@ class Scheduler:
         room = (len(request.kv.block_table) + self.kv.pools[request.owner].num_free) * self.kv.block_size - base
         return max(0, min(want, room))
 
-    def _grow(self, request: Request, out: StepSchedule, count: int) -> None:
-        rid = request.request_id
-        out.start.setdefault(rid, request.kv.num_computed)
-        out.num_tokens[rid] = out.num_tokens.get(rid, 0) + count
-        computed = request.kv.num_computed + out.num_tokens[rid]
-        out.new_blocks.setdefault(rid, []).extend(self.kv.grow(request.owner, request.kv, computed))
+    def _extend(self, request: Request, out: StepSchedule) -> None:
+        """Blocks for the tokens scheduled so far, and publish the blocks they fill."""
+        slot = request.slot
+        table = self.table
+        table.store(slot)
+        computed = request.kv.num_computed + int(out.num_tokens[slot])
+        new = self.kv.grow(request.owner, request.kv, computed)
+        if new:
+            out.new_blocks.setdefault(slot, []).extend(new)
         # Blocks filled by this step are shareable from now on: a later request of this same
         # step reads them after they are written, since every layer writes before it attends.
-        self.kv.commit(request.owner, request.kv, request.all_token_ids(), computed,
-                       request.cache_salt(self.kv.prefix_caching))
+        self.kv.commit(request.owner, request.kv, TokenView(request.prompt_token_ids, request.output_token_ids),
+                       computed, request.cache_salt(self.kv.prefix_caching))
+        table.load(slot)
 
     def _preempt(self, request: Request, out: StepSchedule) -> None:
-        rid = request.request_id
-        if rid in out.num_tokens:  # cannot happen: victims are picked among unscheduled rows
-            raise RuntimeError(f"preempting {rid} after scheduling it")
+        if request.slot is not None and out.num_tokens[request.slot]:
+            raise RuntimeError(f"preempting {request.request_id} after scheduling it")  # victims are unscheduled
         self.release(request)
         request.preempt()
         out.preempted.append(request)
@@ -215,22 +295,20 @@ class Scheduler:
         return min(candidates, key=lambda w: (self.load[w], -self.kv.pools[w].num_free, w))
 
 
-def group_by_owner(batch: PersistentBatch, owner_of: dict[str, int], num_workers: int) -> list[tuple[int, int]]:
+def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
     """Swap rows so each worker's requests form one contiguous range (stable order within a worker).
 
-    Returns each worker's (start, stop). Uses at most one swap per misplaced row.
+    Returns each worker's [start, stop) as a (workers, 2) array. Only misplaced rows are
+    visited (a row already in place is never touched by a swap), one swap at most each.
     """
-    ids = batch.request_ids()
-    target = sorted(range(len(ids)), key=lambda r: (owner_of[ids[r]], r))
-    wanted = [ids[r] for r in target]
-    for row, rid in enumerate(wanted):
+    n = len(owner_by_row)
+    target = np.argsort(owner_by_row, kind="stable")
+    wrong = np.flatnonzero(target != np.arange(n))
+    wanted = [batch.entry(row).request_id for row in target[wrong].tolist()]  # before any swap
+    for row, rid in zip(wrong.tolist(), wanted):
         current = batch.row_of(rid)
         if current != row:
             batch.swap(row, current)
-    shards = []
-    start = 0
-    for w in range(num_workers):
-        count = sum(1 for rid in ids if owner_of[rid] == w)
-        shards.append((start, start + count))
-        start += count
-    return shards
+    counts = np.bincount(owner_by_row, minlength=num_workers)[:num_workers]
+    stops = np.cumsum(counts)
+    return np.stack([stops - counts, stops], axis=1)

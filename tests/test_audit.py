@@ -8,7 +8,7 @@ import pytest
 
 from cluster.audit import ConsistencyError, check_consistency
 from cluster.local_engine import LocalEngine
-from coordinator.plan import StepResult
+from workers.wire import StepResult
 from processors import LogitsProcessor, SamplingParams
 
 

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from coordinator.plan import StepPlan, StepResult
+from workers.wire import StepPlan, StepResult, offsets_of
 from workers.mirror import BatchMirror
 from workers.model_runner import ModelRunner, RowWork
 from workers.rejection import verify_drafts
@@ -77,34 +78,42 @@ class Worker:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         start_time = time.perf_counter()
-        self.mirror.append_tokens(plan.last_tokens)
+        self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
         self.sampler.update_state(batch_update)
 
-        lo, hi = plan.shards[self.worker_id]
+        lo, hi = (int(x) for x in plan.shards[self.worker_id])
+        rows = plan.block_rows
+        mine = np.flatnonzero((rows >= lo) & (rows < hi))
+        if mine.size:
+            at = offsets_of(plan.block_counts)
+            ids = plan.block_ids.tolist()
+            for i in mine.tolist():
+                self.mirror.row(int(rows[i])).block_table.extend(ids[at[i] : at[i + 1]])
+        drafts = None
+        if plan.draft_counts is not None:
+            flat, offsets = plan.draft_tokens.tolist(), plan.draft_offsets.tolist()
+            drafts = [flat[offsets[r] : offsets[r + 1]] for r in range(plan.batch_size)]
         work = []
-        for index in range(lo, hi):
+        for index, start, count in zip(range(lo, hi), plan.start[lo:hi].tolist(), plan.num_tokens[lo:hi].tolist()):
             row = self.mirror.row(index)
-            sched = plan.schedule[index]
-            row.block_table.extend(sched.new_blocks)
-            tokens = row.token_slice(sched.start, sched.start + sched.num_tokens)
-            drafts = plan.drafts[index] if plan.drafts is not None else []
-            work.append(RowWork(row.block_table, tokens + drafts, sched.start, num_logits=len(drafts) + 1))
-        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), tokens=[])
+            row_drafts = drafts[index] if drafts is not None else []
+            work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
+                                num_logits=len(row_drafts) + 1))
+        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi))
         if work:
             logits = self.runner.forward(work)
             sample_start = time.perf_counter()
-            if plan.drafts is None:
+            if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
-                result.tokens = [[t] for t in out.sampled_token_ids.tolist()]
-                if out.logprobs:
-                    result.logprobs = [[out.logprobs[r]] if r in out.logprobs else None for r in range(lo, hi)]
+                result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
+                result.logprobs = {r: [lp] for r, lp in out.logprobs.items()}
             else:
-                verified = verify_drafts(self.sampler, logits, slice(lo, hi), plan.drafts)
-                result.tokens = verified.tokens
-                if any(lp is not None for lp in verified.logprobs):
-                    result.logprobs = verified.logprobs
-            passes = 1 + max((len(d) for d in plan.drafts[lo:hi]), default=0) if plan.drafts is not None else 1
+                verified = verify_drafts(self.sampler, logits, slice(lo, hi), drafts)
+                result.counts = np.array([len(t) for t in verified.tokens], dtype=np.int32)
+                result.tokens = np.array([t for row in verified.tokens for t in row], dtype=np.int32)
+                result.logprobs = {lo + i: lp for i, lp in enumerate(verified.logprobs) if lp is not None}
+            passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
             result.sample_pass_s = (time.perf_counter() - sample_start) / passes
         if plan.audit:
             result.row_digests = self.mirror.digests()
