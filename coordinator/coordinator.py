@@ -22,7 +22,7 @@ import numpy as np
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.draft_policy import DraftPolicy
 from coordinator.kv_blocks import KVCacheManager
-from coordinator.ngram_drafter import NgramDrafter
+from coordinator.ngram_drafter import KEY_BITS, NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 from coordinator.request import (
@@ -105,6 +105,9 @@ class Coordinator:
                  drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
                  processors_from_entry_points: bool = True, grammar_cache_size: int = 256,
                  max_logprobs: int = 20, draft_policy: DraftPolicy | None = None) -> None:
+        if drafter is not None and model.vocab_size > 1 << KEY_BITS:
+            raise ValueError(f"n-gram speculative decoding supports vocabularies up to 2**{KEY_BITS} tokens, "
+                             f"this model has {model.vocab_size}")
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.drafter = drafter
@@ -132,6 +135,7 @@ class Coordinator:
         self._last_counts: np.ndarray | None = None  # per row; None: one each
         self._plan_slots: np.ndarray = EMPTY  # each row's slot in the last plan
         self._streamed: list[Request] = []  # streaming rows that gained tokens; their outputs are built later
+        self._compiling: list[Request] = []  # waiting requests whose constraint is compiling
         self._last_schedule: StepSchedule | None = None
         self._step = 0
         self._next_id = 0
@@ -187,6 +191,8 @@ class Coordinator:
                 request.finish(FinishReason.ERROR, error=error)
                 continue
             request.grammar = self._compile_later(params)
+            if request.grammar is not None:
+                self._compiling.append(request)
             self.detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
             )
@@ -257,13 +263,24 @@ class Coordinator:
         return self._compile_pool.submit(self._grammars().get, constraint)
 
     def _fail_bad_constraints(self) -> None:
-        for request in [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.done()]:
+        """Waiting requests whose constraint failed to compile finish with the error (only those
+        still compiling are looked at, not the whole queue)."""
+        if not self._compiling:
+            return
+        still = []
+        for request in self._compiling:
+            if request.grammar is None or request.status != RequestStatus.WAITING:
+                continue
+            if not request.grammar.done():
+                still.append(request)
+                continue
             error = request.grammar.exception()
             request.grammar = None
             if error is not None:
                 self.scheduler.waiting.remove(request)
                 request.finish(FinishReason.ERROR, error=str(error))
                 self._pending_outputs[request.group.request_id] = request.group
+        self._compiling = still
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (every completion of it) now; False if it is unknown or already finished."""
@@ -402,6 +419,10 @@ class Coordinator:
                 group.owner = request.owner
         self._mark_prompts_ready(decision)
         admitted = decision.admitted
+        for request in admitted:
+            detok = self.detokenizers.get(request.request_id)
+            if detok is not None and detok.stop:
+                table.detokenizers[request.slot] = detok
         entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.slot) for r in admitted]
         if not finished and not entries and self.batch.num_reqs == 0:
             return None
@@ -464,23 +485,26 @@ class Coordinator:
     def _propose(self, requests: list[Request], budget: int) -> dict[str, list[int]]:
         """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds, then
         trimmed by the draft policy (``speculative.draft_policy: adaptive``)."""
-        by_id = {request.request_id: request for request in requests}
-        tokens_left = {}
-        for request in requests:
-            params = request.params
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
-            tokens_left[request.request_id] = min(max_tokens - len(request.output_token_ids),
-                                                  self.model.max_model_len - request.num_tokens)
-        candidates = list(by_id)
+        table = self.scheduler.table
+        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
+        lefts = (table.limit[slots] - table.total[slots]).tolist()  # min(max_tokens, max_model_len) left
         critical_only = self.draft_policy is not None and not self.scheduler.waiting
+        pairs = zip(requests, lefts)
         if critical_only:
-            candidates = self.draft_policy.critical_rows(tokens_left)
+            tokens_left = {r.request_id: left for r, left in zip(requests, lefts)}
+            critical = set(self.draft_policy.critical_rows(tokens_left))
+            pairs = [(r, left) for r, left in zip(requests, lefts) if r.request_id in critical]
+        drafter = self.drafter
         proposals = {}
-        for rid in candidates:
-            room = min(tokens_left[rid], budget + 1) - 1
-            drafts = self.drafter.propose(by_id[rid].all_token_ids(), room) if room > 0 else []
+        for request, left in pairs:
+            room = min(left, budget + 1) - 1
+            drafts = []
+            if room > 0:
+                if request.ngram is None:
+                    request.ngram = drafter.new_index(request.prompt_token_ids)
+                drafts = drafter.propose_for(request.ngram, request.output_token_ids, room)
             if drafts:
-                proposals[rid] = drafts
+                proposals[request.request_id] = drafts
             elif critical_only:
                 return {}  # a row on the critical path has nothing to verify: drafting cannot pay
         if self.draft_policy is None:
@@ -496,9 +520,10 @@ class Coordinator:
         """Take the sampled tokens of ``plan``'s step and apply stop conditions: all the next plan
         needs. Building outputs (``take_outputs``) can wait until the next step is sent.
 
-        Rows that sample one token and need no per-token check (no stop ids or strings, no
-        logprobs, no drafts) are accepted with array operations; only the rows that finish and
-        the others run per-request code."""
+        Rows are accepted with array operations: one sampled token each (with per-row checks
+        only where a row asks for them: stop ids, stop strings, logprobs), or several (verified
+        drafts) for rows without such checks. Only rows that finish and rows with several tokens
+        and a per-token check run per-request code."""
         n = plan.batch_size
         if self.draft_policy is not None and bool((plan.num_tokens == 1).all()):
             drafts = plan.draft_counts if plan.draft_counts is not None else EMPTY
@@ -517,14 +542,17 @@ class Coordinator:
         samples = computed >= table.total[slots]
         chunk = live & ~samples  # a prefill chunk: its sample is not a token
         table.computed[slots[chunk]] = computed[chunk]
-        simple = live & samples & ~table.per_token[slots]
+        simple = live & samples
+        multi = np.zeros(n, dtype=bool)
         if counts is not None:
+            checked = table.stop_ids[slots] | table.stop_text[slots] | table.wants_logprobs[slots]
+            multi = simple & (counts > 1) & ~checked
             simple &= counts == 1
         if plan.draft_counts is not None:
-            simple &= plan.draft_counts == 0
+            self._count_drafts(plan, slots, live & samples, counts)
         offsets = offsets_of(counts) if counts is not None else np.arange(n + 1)
         accepted_counts = np.zeros(n, dtype=np.int32)
-        # -- rows accepted with array operations --
+        # -- one token each: arrays, plus per-row checks only where a row asks for them --
         rows = np.flatnonzero(simple)
         s = slots[rows]
         token = tokens[offsets[rows]].astype(np.int64)
@@ -536,29 +564,49 @@ class Coordinator:
         self.metrics.generated_tokens += len(rows)
         length = total >= table.limit[s]
         eos = ~length & (total >= table.min_total[s]) & (token == table.eos[s])
-        for i in np.flatnonzero(length | eos).tolist():
+        stop: dict[int, int | str] = {}  # index into rows -> stop reason (a token id or a string)
+        pick = np.flatnonzero(table.stop_ids[s] & ~length & ~eos & (total >= table.min_total[s]))
+        for i, slot, tok in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist()):
+            if tok in table.requests[slot].params.stop_token_ids:
+                stop[i] = tok
+        pick = np.flatnonzero(table.wants_logprobs[s])
+        for slot, row in zip(s[pick].tolist(), rows[pick].tolist()):
+            lps = logprobs.get(row)
+            if lps is not None:
+                table.logprobs[slot].extend(lps)
+        pick = np.flatnonzero(table.stop_text[s])
+        produced = total[pick] - table.prompt_len[s[pick]]
+        for i, slot, tok, count in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist(), produced.tolist()):
+            detok = table.detokenizers[slot]
+            delta = detok.push(tok)
+            if delta and count > table.requests[slot].params.min_tokens:
+                found = detok.find_stop(len(delta))
+                if found is not None:
+                    stop[i] = found
+        for i in sorted({*np.flatnonzero(length | eos).tolist(), *stop}):
             request = table.requests[s[i]]
-            request.finish(FinishReason.LENGTH if length[i] else FinishReason.STOP)
-            self._finalize_text(request)
+            reason = stop.get(i)
+            if isinstance(reason, str):  # a stop string wins over length and EOS, and cuts the text
+                request.finish(FinishReason.STOP, stop_reason=reason)
+            else:
+                request.finish(FinishReason.LENGTH if length[i] else FinishReason.STOP, stop_reason=reason)
+                self._finalize_text(request)
             self._finished_row(request)
         for slot in s[total - table.prompt_len[s] == 1].tolist():
             table.requests[slot].first_token_time = now
         self._streamed.extend(map(table.requests.__getitem__, s[table.stream[s]].tolist()))
+        multi_rows, multi_accepted = self._accept_several(np.flatnonzero(multi), tokens, counts, offsets,
+                                                          computed, now)
+        accepted_counts[multi_rows] = multi_accepted
         # -- rows that need per-request code --
         per_row: dict[int, list[int]] = {}
         flat = None
-        for r in np.flatnonzero(live & samples & ~simple).tolist():
+        for r in np.flatnonzero(live & samples & ~simple & ~multi).tolist():
             if flat is None:
                 flat = tokens.tolist()
             slot = int(slots[r])
             request = table.requests[slot]
             row_tokens = flat[offsets[r] : offsets[r + 1]]
-            drafted = int(plan.draft_counts[r]) if plan.draft_counts is not None else 0
-            if drafted:
-                self.metrics.spec_proposed += drafted
-                self.metrics.spec_accepted += len(row_tokens) - 1
-                if self.draft_policy is not None:
-                    self.draft_policy.observe(request.request_id, drafted, len(row_tokens) - 1)
             table.computed[slot] = computed[r] + len(row_tokens) - 1
             accepted = self._accept(request, row_tokens, logprobs.get(r))
             table.total[slot] = request.num_tokens
@@ -577,11 +625,65 @@ class Coordinator:
             out = np.zeros(int(accepted_counts.sum()), dtype=np.int32)
             at = offsets_of(accepted_counts)
             out[at[rows]] = token
+            if multi_rows.size:
+                c = counts[multi_rows]
+                row_ix = np.repeat(np.arange(len(multi_rows)), c)
+                pos = np.arange(int(c.sum())) - offsets_of(c)[:-1][row_ix]
+                keep = pos < multi_accepted[row_ix]
+                out[(at[multi_rows][row_ix] + pos)[keep]] = tokens[(offsets[multi_rows][row_ix] + pos)[keep]]
             for r, accepted in per_row.items():
                 out[at[r] : at[r] + len(accepted)] = accepted
             self._last_tokens, self._last_counts = out, accepted_counts
         self.metrics.steps += 1
         self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
+
+    def _count_drafts(self, plan: StepPlan, slots: np.ndarray, sampled: np.ndarray, counts: np.ndarray | None) -> None:
+        """Spec-decode metrics (and the adaptive policy's per-request acceptance) of rows that verified drafts."""
+        drafted = sampled & (plan.draft_counts > 0)
+        rows = np.flatnonzero(drafted)
+        emitted = counts[rows] if counts is not None else np.ones(len(rows), np.int32)
+        self.metrics.spec_proposed += int(plan.draft_counts[rows].sum())
+        self.metrics.spec_accepted += int((emitted - 1).sum())
+        if self.draft_policy is not None:
+            table = self.scheduler.table
+            for slot, proposed, got in zip(slots[rows].tolist(), plan.draft_counts[rows].tolist(), emitted.tolist()):
+                self.draft_policy.observe(table.requests[slot].request_id, proposed, got - 1)
+
+    def _accept_several(self, rows: np.ndarray, tokens: np.ndarray, counts: np.ndarray | None, offsets: np.ndarray,
+                        computed: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Rows that sampled several tokens (verified drafts) and need no per-token check: each
+        keeps its tokens up to the first that finishes it. Returns the rows and their accepted counts."""
+        if rows.size == 0:
+            return rows, rows
+        table = self.scheduler.table
+        s = self._plan_slots[rows]
+        c = counts[rows]
+        starts = offsets[rows]
+        local = offsets_of(c)[:-1]
+        row_ix = np.repeat(np.arange(len(rows)), c)
+        pos = np.arange(int(c.sum())) - local[row_ix]
+        token = tokens[starts[row_ix] + pos].astype(np.int64)
+        before = table.total[s]
+        total_at = before[row_ix] + pos + 1
+        length = total_at >= table.limit[s][row_ix]
+        finishes = length | ((total_at >= table.min_total[s][row_ix]) & (token == table.eos[s][row_ix]))
+        first = np.minimum.reduceat(np.where(finishes, pos, len(pos)), local)
+        accepted = np.where(first < c, first + 1, c)
+        table.computed[s] = computed[rows] + c - 1
+        table.total[s] = before + accepted
+        flat = tokens.tolist()
+        deque(map(list.extend, map(table.outputs.__getitem__, s.tolist()),
+                  map(flat.__getitem__, map(slice, starts.tolist(), (starts + accepted).tolist()))), maxlen=0)
+        self.metrics.generated_tokens += int(accepted.sum())
+        for i in np.flatnonzero(first < c).tolist():
+            request = table.requests[s[i]]
+            request.finish(FinishReason.LENGTH if length[local[i] + first[i]] else FinishReason.STOP)
+            self._finalize_text(request)
+            self._finished_row(request)
+        for slot in s[before == table.prompt_len[s]].tolist():
+            table.requests[slot].first_token_time = now
+        self._streamed.extend(map(table.requests.__getitem__, s[table.stream[s]].tolist()))
+        return rows, accepted
 
     def _finished_row(self, request: Request) -> None:
         """A row finished this step: it leaves the batch at the next plan; its output is due."""

@@ -13,10 +13,16 @@ prefix caching across requests is off.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("I").itemsize == 4, "prefix keys hash token ids as 4-byte words"
 
 
 def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Sequence[bytes] = (),
@@ -29,7 +35,10 @@ def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Seque
     for b in range(len(keys), last):
         chunk = tokens[b * block_size : (b + 1) * block_size]
         digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in chunk))
+        words = array("I", chunk)  # unsigned 32-bit, as little-endian bytes on every host
+        if _BIG_ENDIAN:
+            words.byteswap()
+        digest.update(words.tobytes())
         parent = digest.digest()
         keys.append(parent)
     return keys

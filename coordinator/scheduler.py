@@ -262,16 +262,20 @@ class Scheduler:
         """Blocks for the tokens scheduled so far, and publish the blocks they fill."""
         slot = request.slot
         table = self.table
-        table.store(slot)
-        computed = request.kv.num_computed + int(out.num_tokens[slot])
-        new = self.kv.grow(request.owner, request.kv, computed)
-        if new:
+        kv = request.kv
+        kv.num_computed = int(table.computed[slot])
+        computed = kv.num_computed + int(out.num_tokens[slot])
+        if computed > len(kv.block_table) * self.kv.block_size:
+            new = self.kv.grow(request.owner, kv, computed)
             out.new_blocks.setdefault(slot, []).extend(new)
+            table.cap[slot] = len(kv.block_table) * self.kv.block_size
         # Blocks filled by this step are shareable from now on: a later request of this same
         # step reads them after they are written, since every layer writes before it attends.
-        self.kv.commit(request.owner, request.kv, TokenView(request.prompt_token_ids, request.output_token_ids),
-                       computed, request.cache_salt(self.kv.prefix_caching))
-        table.load(slot)
+        if table.salted[slot] and min(computed, len(request.prompt_token_ids) + len(request.output_token_ids)) \
+                // self.kv.block_size > kv.num_registered:
+            self.kv.commit(request.owner, kv, TokenView(request.prompt_token_ids, request.output_token_ids),
+                           computed, request.cache_salt(self.kv.prefix_caching))
+            table.registered[slot] = kv.num_registered
 
     def _preempt(self, request: Request, out: StepSchedule) -> None:
         if request.slot is not None and out.num_tokens[request.slot]:
@@ -296,19 +300,26 @@ class Scheduler:
 
 
 def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
-    """Swap rows so each worker's requests form one contiguous range (stable order within a worker).
+    """Swap rows so each worker's requests form one contiguous range, in worker order.
 
-    Returns each worker's [start, stop) as a (workers, 2) array. Only misplaced rows are
-    visited (a row already in place is never touched by a swap), one swap at most each.
+    Returns each worker's [start, stop) as a (workers, 2) array. Only rows outside their
+    owner's range move, and each swap puts at least one row in place, so a step costs
+    O(misplaced rows): when one worker's share grows and another's shrinks, about one row
+    per boundary in between (keeping each worker's rows in their old order would shift
+    every row between the two).
     """
-    n = len(owner_by_row)
-    target = np.argsort(owner_by_row, kind="stable")
-    wrong = np.flatnonzero(target != np.arange(n))
-    wanted = [batch.entry(row).request_id for row in target[wrong].tolist()]  # before any swap
-    for row, rid in zip(wrong.tolist(), wanted):
-        current = batch.row_of(rid)
-        if current != row:
-            batch.swap(row, current)
     counts = np.bincount(owner_by_row, minlength=num_workers)[:num_workers]
     stops = np.cumsum(counts)
+    target = np.repeat(np.arange(num_workers), counts)
+    wrong = np.flatnonzero(owner_by_row != target)
+    if wrong.size:
+        owner = {row: int(owner_by_row[row]) for row in wrong.tolist()}
+        holes: dict[int, list[int]] = {}  # worker -> misplaced rows inside its range
+        for row in reversed(wrong.tolist()):
+            holes.setdefault(int(target[row]), []).append(row)
+        for row in wrong.tolist():
+            while owner[row] != target[row]:
+                hole = holes[owner[row]].pop()  # lowest first
+                batch.swap(row, hole)
+                owner[row], owner[hole] = owner[hole], owner[row]
     return np.stack([stops - counts, stops], axis=1)

@@ -21,6 +21,8 @@ class SlotTable:
         self.block_size = block_size
         self.requests: list[Request | None] = [None] * capacity
         self.outputs: list[list[int] | None] = [None] * capacity  # live output lists
+        self.logprobs: list[list | None] = [None] * capacity  # live logprob lists (rows that asked)
+        self.detokenizers: list = [None] * capacity  # the coordinator's, for rows with stop strings
         self._free = list(range(capacity - 1, -1, -1))  # a stack: lowest slot first
         i64 = np.int64
         self.computed = np.zeros(capacity, i64)  # tokens whose KV is computed
@@ -35,17 +37,21 @@ class SlotTable:
         self.owner = np.zeros(capacity, np.int32)
         self.arrival = np.zeros(capacity, i64)
         self.greedy = np.zeros(capacity, bool)
-        # Accepting a token needs per-request Python: stop ids, stop strings, logprobs, a grammar...
-        self.per_token = np.zeros(capacity, bool)
+        # Accepting a token needs a per-request check: stop token ids, stop strings (detokenized
+        # on the critical path), logprobs to keep.
+        self.stop_ids = np.zeros(capacity, bool)
+        self.stop_text = np.zeros(capacity, bool)
+        self.wants_logprobs = np.zeros(capacity, bool)
         self.stream = np.zeros(capacity, bool)  # an output per step
         self.done = np.zeros(capacity, bool)  # finished (or aborted) while still in the batch
 
-    def take(self, request: Request, salted: bool) -> int:
+    def take(self, request: Request, salted: bool, detokenizer: object = None) -> int:
         """Give ``request`` a slot and fill it from the request (admission)."""
         slot = self._free.pop()
         request.slot = slot
         self.requests[slot] = request
         self.outputs[slot] = request.output_token_ids
+        self.detokenizers[slot] = detokenizer
         params = request.params
         prompt = len(request.prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
@@ -59,8 +65,10 @@ class SlotTable:
         self.owner[slot] = request.owner
         self.arrival[slot] = request.arrival_seq
         self.greedy[slot] = params.temperature < 1e-5
-        self.per_token[slot] = bool(params.stop_token_ids or params.stop or params.logprobs is not None
-                                    or request.logprobs is not None)
+        self.stop_ids[slot] = bool(params.stop_token_ids)
+        self.stop_text[slot] = bool(params.stop)
+        self.wants_logprobs[slot] = request.logprobs is not None
+        self.logprobs[slot] = request.logprobs
         self.stream[slot] = not request.group.final_only if request.group is not None else True
         self.done[slot] = False
         self.load(slot)
@@ -88,6 +96,8 @@ class SlotTable:
             request.slot = None
         self.requests[slot] = None
         self.outputs[slot] = None
+        self.logprobs[slot] = None
+        self.detokenizers[slot] = None
         self.done[slot] = False
         self._free.append(slot)
 
