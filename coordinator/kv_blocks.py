@@ -30,18 +30,25 @@ def chain_keys(tokens: Sequence[int], block_size: int, salt: bytes, start: Seque
     """Keys of the full blocks of ``tokens`` (the first ``num_blocks``); ``start`` are keys already
     computed for the first blocks."""
     keys = list(start)
+    extend_keys(keys, tokens, block_size, salt, len(tokens) // block_size if num_blocks is None else num_blocks)
+    return keys
+
+
+def extend_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, salt: bytes, num_blocks: int,
+                first_block: int = 0) -> None:
+    """Append the keys of blocks ``len(keys) .. num_blocks - 1`` to ``keys``; ``tokens`` starts
+    at block ``first_block``."""
     parent = keys[-1] if keys else salt
-    last = len(tokens) // block_size if num_blocks is None else num_blocks
-    for b in range(len(keys), last):
-        chunk = tokens[b * block_size : (b + 1) * block_size]
-        digest = hashlib.blake2b(parent, digest_size=16)
-        words = array("I", chunk)  # unsigned 32-bit, as little-endian bytes on every host
+    offset = first_block * block_size
+    for b in range(len(keys), num_blocks):
+        start = b * block_size - offset
+        words = array("I", tokens[start : start + block_size])  # 4-byte ids, little-endian
         if _BIG_ENDIAN:
             words.byteswap()
+        digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(words.tobytes())
         parent = digest.digest()
         keys.append(parent)
-    return keys
 
 
 class BlockPool:
@@ -170,7 +177,7 @@ class KVCacheManager:
         if full <= state.num_registered:
             return
         if len(state.keys) < full:  # keys are a function of the tokens: ones computed earlier still hold
-            state.keys = chain_keys(tokens, self.block_size, salt, state.keys, num_blocks=full)
+            extend_keys(state.keys, tokens, self.block_size, salt, full)
         pool = self.pools[owner]
         for b in range(state.num_registered, full):
             pool.register(state.block_table[b], state.keys[b])

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.kv_blocks import KVCacheManager
+from coordinator.kv_blocks import KVCacheManager, extend_keys
 from coordinator.persistent_batch import PersistentBatch
 from coordinator.request import Request
 from coordinator.slot_table import SlotTable
@@ -145,7 +145,16 @@ class Scheduler:
             out.start[running] = computed
             out.num_tokens[running] = 1
             commits = table.salted[running] & ((computed + 1) // self.kv.block_size > table.registered[running])
-            changing = needs_block | commits | (computed + 1 < table.total[running])
+            prefill = computed + 1 < table.total[running]
+            if self._no_eviction(table.owner[running][needs_block]):
+                # Allocations take never-cached blocks only, so they cannot change the prefix
+                # index that commits write: decode rows get their block in bulk (arrival order
+                # within each owner, as one by one), the rest go one by one.
+                self._one_block_each(running[needs_block & ~prefill], out)
+                changing = prefill
+                self._publish_filled(running[commits & ~prefill])
+            else:
+                changing = needs_block | commits | prefill
             for slot in running[changing].tolist():
                 self._extend(table.requests[slot], out)
         budget -= len(active)
@@ -221,6 +230,46 @@ class Scheduler:
             rows += 1
         out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
         return out
+
+    def _no_eviction(self, owners: np.ndarray) -> bool:
+        need = np.bincount(owners, minlength=self.num_workers)
+        return all(int(k) <= len(pool.blank) for k, pool in zip(need.tolist(), self.kv.pools))
+
+    def _one_block_each(self, slots: np.ndarray, out: StepSchedule) -> None:
+        """One new block for each of these decode rows (already in arrival order), from blank blocks."""
+        if slots.size == 0:
+            return
+        table = self.table
+        owners = table.owner[slots]
+        for owner in np.unique(owners).tolist():
+            mine = slots[owners == owner].tolist()
+            blocks = self.kv.pools[owner].allocate(len(mine))
+            requests = [table.requests[slot] for slot in mine]
+            deque(map(list.append, (r.kv.block_table for r in requests), blocks), maxlen=0)
+            out.new_blocks.update(zip(mine, ([b] for b in blocks)))
+        table.cap[slots] += self.kv.block_size
+
+    def _publish_filled(self, slots: np.ndarray) -> None:
+        """Decode rows whose last block fills with this step's token: publish its prefix key
+        (arrival order). Registering never allocates, so it is independent of the bulk growth."""
+        table, kv, size = self.table, self.kv, self.kv.block_size
+        for slot in slots.tolist():
+            request = table.requests[slot]
+            state = request.kv
+            block = state.num_registered
+            salt = request.cache_salt(kv.prefix_caching)
+            prompt, output = request.prompt_token_ids, request.output_token_ids
+            if (len(prompt) + len(output)) // size != block + 1 or salt is None:  # not one new block: the general path
+                kv.commit(request.owner, state, TokenView(prompt, output), len(prompt) + len(output), salt)
+            else:
+                if len(state.keys) <= block:
+                    first = block * size - len(prompt)
+                    tokens = output[first : first + size] if first >= 0 else TokenView(prompt, output)[
+                        block * size : (block + 1) * size]
+                    extend_keys(state.keys, tokens, size, salt, block + 1, first_block=block)
+                kv.pools[request.owner].register(state.block_table[block], state.keys[block])
+                state.num_registered = block + 1
+            table.registered[slot] = state.num_registered
 
     def _one_token_each(self, running: np.ndarray, out: StepSchedule) -> np.ndarray:
         """Step 1 request by request: some owner lacks blocks for every row's next token."""
