@@ -352,8 +352,9 @@ class EngineCore:
         """Start the step on every live worker without waiting: refs, or the error that stopped it."""
         try:
             if self._graph is not None:
-                return self._graph.execute(plan)
-            return {i: w.step.remote(plan) for i, w in self.workers.items()}
+                return self._graph.execute(plan)  # one write to a channel every worker reads
+            shared = ray.put(plan)  # serialized once, not once per worker; each node fetches it once
+            return {i: w.step.remote(shared) for i, w in self.workers.items()}
         except Exception as exc:  # the compiled graph is broken (a worker died between steps)
             return exc
 

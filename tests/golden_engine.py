@@ -3,18 +3,21 @@
 Recorded from main before the coordinator's step loop was vectorized (issue 25); the engine
 must keep reproducing them token for token, finish reasons, logprobs and aborts included.
 
-    python -m tests.golden_engine            # rewrite tests/golden/engine_outputs.json
+    python tests/golden_engine.py            # rewrite tests/golden/engine_outputs.json
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.local_engine import LocalEngine
-from processors import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.local_engine import LocalEngine  # noqa: E402
+from processors import SamplingParams  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "engine_outputs.json"
 # (name, number of workers, extra config)

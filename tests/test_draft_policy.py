@@ -97,8 +97,11 @@ class OneRowDrafter:
     def __init__(self, first: int) -> None:
         self.first = first
 
-    def propose(self, tokens: list[int], limit: int | None = None) -> list[int]:
-        return [5, 6, 7][:limit] if tokens[0] == self.first else []
+    def new_index(self, prompt: list[int]) -> list[int]:
+        return prompt
+
+    def propose_for(self, prompt: list[int], output: list[int], limit: int | None = None) -> list[int]:
+        return [5, 6, 7][:limit] if prompt[0] == self.first else []
 
 
 def test_a_closed_batch_is_not_drafted_unless_its_critical_rows_all_have_drafts():

@@ -115,6 +115,9 @@ class StepResult:
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None
     compute_s: float = 0.0
+    # Seconds applying the plan to the replicas (tokens, BatchUpdate, processors' update_state):
+    # the part of a worker's host time that grows with the global batch, not its shard.
+    plan_s: float = 0.0
     # Seconds of one sampling pass over the shard (verifying drafts takes one per draft position).
     sample_pass_s: float = 0.0
 

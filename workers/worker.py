@@ -81,6 +81,7 @@ class Worker:
         self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
         self.sampler.update_state(batch_update)
+        plan_s = time.perf_counter() - start_time
 
         lo, hi = (int(x) for x in plan.shards[self.worker_id])
         rows = plan.block_rows
@@ -100,7 +101,7 @@ class Worker:
             row_drafts = drafts[index] if drafts is not None else []
             work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
                                 num_logits=len(row_drafts) + 1))
-        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi))
+        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), plan_s=plan_s)
         if work:
             logits = self.runner.forward(work)
             sample_start = time.perf_counter()
