@@ -51,16 +51,12 @@ from processors import SamplingParams  # noqa: E402
 ROWS_PER_WORKER = 256
 BLOCK_SIZE = 16
 VOCAB = 512
-try:  # the wire types' home after issue 25
+ARRAYS = (ROOT / "workers" / "wire.py").exists()  # the wire types' home after issue 25
+if ARRAYS:
     from workers.wire import StepResult  # noqa: E402
-    from workers.sampler import TokenLogprobs  # noqa: E402
-
-    ARRAYS = True
-except ImportError:
+else:  # a checkout from before (--before)
     from coordinator.plan import StepResult  # noqa: E402
-    from workers.sampler import TokenLogprobs  # noqa: E402
-
-    ARRAYS = False
+from workers.sampler import TokenLogprobs  # noqa: E402
 
 
 def config(workers: int, mix: str) -> Any:
@@ -143,9 +139,9 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
 
 
 def fake_worker(cfg: Any, worker_id: int) -> Any:
-    try:
+    if ARRAYS:
         from workers.fake_runner import RandomLogitsRunner
-    except ImportError:  # a checkout from before it existed (--before)
+    else:  # a checkout from before it existed (--before)
         class RandomLogitsRunner:  # type: ignore[no-redef]
             def __init__(self, vocab: int, seed: int) -> None:
                 self.vocab, self.seconds = vocab, 0.0
