@@ -6,9 +6,12 @@ once (``pickle``, what one object-store put or one compiled-graph write costs): 
 critical path, while the workers wait. Building outputs (``take_outputs``: detokenization,
 ``RequestOutput``\\s) is off the path: the engine does it while the workers compute.
 
-Fake workers answer at once with uniformly random tokens for the rows they own (a row may
-hit EOS, 1 in 512); with speculative decoding they accept a random prefix of each row's
-drafts plus one token. Three request mixes:
+Fake workers answer at once with random tokens for the rows they own, drawn uniformly from
+the tokens that decode to whole characters (a model writing text emits a byte fragment of a
+multi-byte character only inside such a character; the tiny vocabulary's 128 fragments, a
+quarter of it, would otherwise make up a quarter of all tokens). A row hits EOS 1 in 512.
+With speculative decoding they accept a random prefix of each row's drafts plus one token.
+Three request mixes:
 
 - ``final``: seeded random sampling, final-only outputs, no stop strings (``generate``, batch jobs)
 - ``stream``: every request streams; half have two stop strings, a quarter ask for 2 logprobs
@@ -97,9 +100,20 @@ def logprob_rows(coordinator: Any) -> np.ndarray:
                      if table.requests[slot].params.logprobs is not None], dtype=np.int64)
 
 
+def text_tokens(tokenizer: Any) -> np.ndarray:
+    """Token ids (>= 10) whose bytes decode to whole characters on their own."""
+    backend = tokenizer.backend_tokenizer
+    ids = [i for i in range(10, VOCAB) if "\ufffd" not in backend.decode([i], skip_special_tokens=True)]
+    return np.array(ids, dtype=np.int32)
+
+
+TEXT_TOKENS: np.ndarray | None = None
+
+
 def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logprobs: np.ndarray) -> list[Any]:
     """Each worker's answer to ``plan``: one random token per row, or accepted drafts + one."""
     results = []
+    vocab = TEXT_TOKENS
     if ARRAYS:
         for w in range(workers):
             lo, hi = (int(x) for x in plan.shards[w])
@@ -108,7 +122,7 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
                 drafts = plan.draft_counts[lo:hi]
                 accepted = np.minimum(rng.integers(0, 4, n), drafts)
                 counts = (accepted + 1).astype(np.int32)
-                tokens = rng.integers(10, VOCAB, int(counts.sum())).astype(np.int32)
+                tokens = rng.choice(vocab, int(counts.sum()))
                 offsets = plan.draft_offsets
                 for i in np.flatnonzero(accepted):  # accepted drafts are the drafts themselves
                     r = lo + i
@@ -116,7 +130,7 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
                     tokens[first:first + accepted[i]] = plan.draft_tokens[offsets[r]:offsets[r] + accepted[i]]
             else:
                 counts = None
-                tokens = rng.integers(10, VOCAB, n).astype(np.int32)
+                tokens = rng.choice(vocab, n)
                 tokens[rng.random(n) < 1 / VOCAB] = 2
             logprobs = {}
             for r in wants_logprobs[(wants_logprobs >= lo) & (wants_logprobs < hi)].tolist():
@@ -131,7 +145,7 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
         for r in range(lo, hi):
             drafts = plan.drafts[r] if plan.drafts is not None else []
             k = min(int(rng.integers(0, 4)), len(drafts))
-            tok = int(rng.integers(10, VOCAB))
+            tok = int(rng.choice(vocab))
             tokens.append(list(drafts[:k]) + [2 if rng.random() < 1 / VOCAB else tok])
         logprobs = [[TokenLogprobs([3, 4], [-0.5, -1.2], 3, -0.5, 1) for _ in t] for t in tokens]
         results.append(StepResult(worker_id=w, step=plan.step, rows=(lo, hi), tokens=tokens, logprobs=logprobs))
@@ -161,7 +175,9 @@ def fake_worker(cfg: Any, worker_id: int) -> Any:
 def measure(workers: int, mix: str, steps: int, worker_side: bool) -> dict[str, Any]:
     rng = random.Random(workers)
     nprng = np.random.default_rng(workers)
+    global TEXT_TOKENS
     cfg, coordinator = build(workers, mix, rng)
+    TEXT_TOKENS = text_tokens(coordinator.tokenizer)
     worker = fake_worker(cfg, 0) if worker_side else None
     critical, off, rows, plan_bytes, result_bytes, worker_ms, apply_ms = [], [], [], [], [], [], []
     plan = coordinator.next_plan()

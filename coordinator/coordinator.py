@@ -34,6 +34,7 @@ from coordinator.request import (
     RequestStatus,
 )
 from coordinator.rates import WindowedRate
+from coordinator.stop_bytes import StopScanner, complete_utf8, token_bytes
 from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.sampling_params import SAMPLING_EPS
@@ -143,6 +144,9 @@ class Coordinator:
         self._grammar_cache: GrammarCache | None = None
         self._compile_pool: ThreadPoolExecutor | None = None
         self.grammar_cache_size = grammar_cache_size
+        # Token id -> bytes, when the tokenizer decodes by concatenating them (coordinator.stop_bytes).
+        self._token_bytes = token_bytes(tokenizer)
+        self._complete_utf8 = complete_utf8(self._token_bytes) if self._token_bytes is not None else None
         # Accept every row with per-request code, as before the array path existed: the
         # reference the array path must equal (tests compare the two).
         self.per_row_reference = False
@@ -426,6 +430,8 @@ class Coordinator:
             detok = self.detokenizers.get(request.request_id)
             if detok is not None and detok.stop:
                 table.detokenizers[request.slot] = detok
+                if self._token_bytes is not None and detok._stream is not None:
+                    table.stop_scanners[request.slot] = StopScanner(detok.stop, detok.max_stop_len)
         entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.slot) for r in admitted]
         if not finished and not entries and self.batch.num_reqs == 0:
             return None
@@ -581,13 +587,20 @@ class Coordinator:
                 table.logprobs[slot].extend(lps)
         pick = np.flatnonzero(table.stop_text[s])
         produced = total[pick] - table.prompt_len[s[pick]]
-        for i, slot, tok, count in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist(), produced.tolist()):
-            detok = table.detokenizers[slot]
-            delta = detok.push(tok)
-            if delta and count > table.requests[slot].params.min_tokens:
-                found = detok.find_stop(len(delta))
-                if found is not None:
-                    stop[i] = found
+        checked = produced > table.min_total[s[pick]] - table.prompt_len[s[pick]]  # past min_tokens
+        detokenizers, scanners, byte_table = table.detokenizers, table.stop_scanners, self._token_bytes
+        complete = self._complete_utf8
+        for i, slot, tok, check in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist(), checked.tolist()):
+            scanner = scanners[slot]
+            if scanner is None:
+                found = detokenizers[slot].push_and_check(tok, check)
+            else:
+                if not scanner.dirty and complete[tok] and not scanner.may_stop(
+                        byte_table, table.outputs[slot], len(byte_table[tok])):
+                    continue  # no stop possible: decoding waits until the output is built
+                found = self._exact_stop_check(table.requests[slot], detokenizers[slot], scanner)
+            if found is not None:
+                stop[i] = found
         for i in sorted({*np.flatnonzero(length | eos).tolist(), *stop}):
             request = table.requests[s[i]]
             reason = stop.get(i)
@@ -615,6 +628,10 @@ class Coordinator:
             table.computed[slot] = computed[r] + len(row_tokens) - 1
             accepted = self._accept(request, row_tokens, logprobs.get(r))
             table.total[slot] = request.num_tokens
+            scanner = table.stop_scanners[slot]
+            if scanner is not None:
+                detok = table.detokenizers[slot]
+                scanner.dirty = detok.read_offset < len(detok.tokens)
             self.metrics.generated_tokens += len(accepted)
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
@@ -641,6 +658,21 @@ class Coordinator:
             self._last_tokens, self._last_counts = out, accepted_counts
         self.metrics.steps += 1
         self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
+
+    def _exact_stop_check(self, request: Request, detok: IncrementalDetokenizer, scanner: StopScanner) -> str | None:
+        """Push the row's tokens the detokenizer has not seen, checking each as ``_accept`` would;
+        only the newest may complete a stop string (the byte scan ruled out the others)."""
+        output, min_tokens = request.output_token_ids, request.params.min_tokens
+        found = None
+        for j in range(detok.consumed, len(output)):
+            hit = detok.push_and_check(output[j], j + 1 > min_tokens)
+            if hit is not None:
+                if j != len(output) - 1:
+                    raise RuntimeError(f"request {request.request_id}: stop string {hit!r} completed by a token "
+                                       "the byte scan passed over")
+                found = hit
+        scanner.dirty = detok.read_offset < len(detok.tokens)
+        return found
 
     def _count_drafts(self, plan: StepPlan, slots: np.ndarray, sampled: np.ndarray, counts: np.ndarray | None) -> None:
         """Spec-decode metrics (and the adaptive policy's per-request acceptance) of rows that verified drafts."""
@@ -736,6 +768,8 @@ class Coordinator:
         """Append tokens in order until one finishes the request; later ones are dropped."""
         params = request.params
         detok = self.detokenizers[request.request_id]
+        if detok.stop:  # tokens the byte scan let wait (none of them could complete a stop string)
+            detok.catch_up(request.output_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.model.max_model_len
         accepted = []
         for i, token in enumerate(tokens):

@@ -62,6 +62,35 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def push_and_check(self, token_id: int, check: bool) -> str | None:
+        """``push`` then, when ``check`` and the token completed text, ``find_stop`` on it: the
+        stop string it completed, if any. One call per row per step on the coordinator's
+        critical path, so the Rust stream's common case is inlined."""
+        stream = self._stream
+        if stream is None:
+            delta = self.push(token_id)
+        else:
+            self.tokens.append(token_id)
+            self.consumed += 1
+            delta = stream.step(self._backend, token_id)
+            if not delta:
+                return None
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+        if not check or not delta:
+            return None
+        text = self.text
+        window_start = len(text) - len(delta) - self.max_stop_len + 1
+        best = -1
+        found = None
+        for s in self.stop:
+            at = text.find(s, window_start if window_start > 0 else 0)
+            if at != -1 and (best == -1 or at < best):
+                best, found = at, s
+        if found is not None:
+            self.text = text[: best + len(found)] if self.include_stop else text[:best]
+        return found
+
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Push the output tokens not pushed yet: without stop strings, text is only needed
         when an output is built, so the step loop leaves decoding to then."""

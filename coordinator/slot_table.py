@@ -23,6 +23,7 @@ class SlotTable:
         self.outputs: list[list[int] | None] = [None] * capacity  # live output lists
         self.logprobs: list[list | None] = [None] * capacity  # live logprob lists (rows that asked)
         self.detokenizers: list = [None] * capacity  # the coordinator's, for rows with stop strings
+        self.stop_scanners: list = [None] * capacity  # coordinator.stop_bytes.StopScanner, when the tokenizer allows
         self._free = list(range(capacity - 1, -1, -1))  # a stack: lowest slot first
         i64 = np.int64
         self.computed = np.zeros(capacity, i64)  # tokens whose KV is computed
@@ -98,6 +99,7 @@ class SlotTable:
         self.outputs[slot] = None
         self.logprobs[slot] = None
         self.detokenizers[slot] = None
+        self.stop_scanners[slot] = None
         self.done[slot] = False
         self._free.append(slot)
 

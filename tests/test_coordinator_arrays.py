@@ -52,7 +52,8 @@ request_specs = st.lists(
         "min_tokens": st.integers(0, 3),
         "ignore_eos": st.booleans(),
         "stop_token_ids": st.sampled_from([[], [40], [41, 42]]),
-        "stop": st.sampled_from([None, ["e"], ["th", " a"]]),
+        "stop": st.sampled_from([None, ["e"], ["th", " a"], ["é"], ["你好", "🙂"], ["a b", "\ufffd"]]),
+        "include_stop": st.booleans(),
         "logprobs": st.sampled_from([None, 1]),
         "n": st.sampled_from([1, 1, 2]),
         "final_only": st.booleans(),
@@ -70,7 +71,8 @@ def fake_results(c: Coordinator, plan, rng: random.Random) -> list[StepResult]:
         tokens, counts, logprobs = [], [], {}
         for r in range(lo, hi):
             drafts = plan.drafts_of(r)
-            row = drafts[: rng.randint(0, len(drafts))] + [rng.choice([eos, 40, 41, 42] + list(range(60, 90)))]
+            pick = rng.choice([eos, 40, 41, 42, rng.randrange(60, 90), rng.randrange(3, VOCAB), rng.randrange(3, 262)])
+            row = drafts[: rng.randint(0, len(drafts))] + [pick]  # 3..261: many bytes of multi-byte characters
             tokens += row
             counts.append(len(row))
             if table.requests[int(c._plan_slots[r])].params.logprobs is not None:
@@ -94,7 +96,20 @@ def snapshot(out) -> tuple:
         for c in out.outputs))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_byte_table_decodes_as_the_tokenizer(tokenizer):
+    """The stop-string byte scan relies on it (checked again at start-up; None would fall back)."""
+    from coordinator.stop_bytes import token_bytes
+
+    table = token_bytes(tokenizer)
+    assert table is not None and len(table) == len(tokenizer)
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randint(1, 20))]
+        assert b"".join(table[i] for i in ids).decode("utf-8", errors="replace") == tokenizer.decode(
+            ids, skip_special_tokens=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=request_specs, seed=st.integers(0, 2**16), spec=st.booleans())
 def test_array_accept_equals_per_row_reference(tokenizer, specs, seed, spec):
     fast, reference = coordinator(tokenizer, spec, False), coordinator(tokenizer, spec, True)
@@ -103,6 +118,7 @@ def test_array_accept_equals_per_row_reference(tokenizer, specs, seed, spec):
         prompt = [prompt_rng.randrange(60, 90) for _ in range(s["prompt_len"])]
         params = SamplingParams(max_tokens=s["max_tokens"], min_tokens=min(s["min_tokens"], s["max_tokens"]),
                                 ignore_eos=s["ignore_eos"], stop_token_ids=s["stop_token_ids"], stop=s["stop"],
+                                include_stop_str_in_output=s["include_stop"],
                                 logprobs=s["logprobs"], n=s["n"], temperature=0.0 if s["n"] == 1 else 0.8, seed=i)
         for c in (fast, reference):
             c.add_request(prompt, params.clone(), request_id=f"r{i}", final_only=s["final_only"])
