@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.draft_policy import DraftPolicy
+from coordinator.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from coordinator.draft_policy import CRITICAL_SHARE, DraftPolicy
 from coordinator.kv_blocks import KVCacheManager
-from coordinator.ngram_drafter import KEY_BITS, NgramDrafter
+from coordinator.ngram_batch import BatchNgramDrafter
+from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 from coordinator.request import (
@@ -106,9 +107,6 @@ class Coordinator:
                  drafter: NgramDrafter | None = None, reasoning_enabled: bool = False,
                  processors_from_entry_points: bool = True, grammar_cache_size: int = 256,
                  max_logprobs: int = 20, draft_policy: DraftPolicy | None = None) -> None:
-        if drafter is not None and model.vocab_size > 1 << KEY_BITS:
-            raise ValueError(f"n-gram speculative decoding supports vocabularies up to 2**{KEY_BITS} tokens, "
-                             f"this model has {model.vocab_size}")
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.drafter = drafter
@@ -125,6 +123,9 @@ class Coordinator:
         self.kv = KVCacheManager(num_workers, kv.num_blocks, kv.block_size, kv.prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, num_workers, rows_per_worker, kv.max_num_batched_tokens, self.kv,
                                    model.max_model_len)
+        self._drafts = BatchNgramDrafter(drafter, max_num_seqs) if drafter is not None else None
+        if self._drafts is not None:
+            self.scheduler.table.on_release = self._drafts.release
         self.batch = PersistentBatch(max_num_seqs)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
         self.rows: dict[str, Request] = {}  # by row id (a child of an n > 1 request has its own)
@@ -415,7 +416,7 @@ class Coordinator:
             if self.draft_policy is not None and self.rows[rid].finished:
                 self.draft_policy.forget(rid)
         running = self.batch.row_slots()[keep]
-        decision = self.scheduler.schedule(running, self._propose if self.drafter is not None else None)
+        decision = self.scheduler.schedule(running, self._propose if self._drafts is not None else None)
         for request in decision.preempted:
             finished.append(request.request_id)
         self.scheduler.requeue_front(decision.preempted)
@@ -428,9 +429,12 @@ class Coordinator:
         admitted = decision.admitted
         for request in admitted:
             detok = self.detokenizers.get(request.request_id)
+            if self._drafts is not None:
+                self._drafts.admit(request.slot, request.prompt_token_ids + request.output_token_ids)
             if detok is not None and detok.stop:
                 table.detokenizers[request.slot] = detok
-                if self._token_bytes is not None and detok._stream is not None:
+                if self._token_bytes is not None and detok._stream is not None and not any(
+                        REPLACEMENT_CHAR in stop for stop in detok.stop):  # U+FFFD also stands for invalid bytes
                     table.stop_scanners[request.slot] = StopScanner(detok.stop, detok.max_stop_len)
         entries = [BatchEntry(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.slot) for r in admitted]
         if not finished and not entries and self.batch.num_reqs == 0:
@@ -450,10 +454,8 @@ class Coordinator:
         row_of_slot[slots] = np.arange(len(slots))
         block_rows, block_counts, block_ids = _runs_by_row(decision.new_blocks, row_of_slot)
         draft_tokens = draft_counts = None
-        if decision.drafts:  # None: plain sampling
-            draft_rows, draft_counts_of, draft_tokens = _runs_by_row(decision.drafts, row_of_slot)
-            draft_counts = np.zeros(len(slots), dtype=np.int32)
-            draft_counts[draft_rows] = draft_counts_of
+        if decision.draft_slots.size:  # None: plain sampling
+            draft_counts, draft_tokens = _drafts_by_row(decision, row_of_slot, len(slots))
         self._step += 1
         every = self.consistency_check_every
         plan = StepPlan(
@@ -491,34 +493,30 @@ class Coordinator:
                 if request.group.owner is None:
                     request.group.owner = request.owner
 
-    def _propose(self, requests: list[Request], budget: int) -> dict[str, list[int]]:
-        """N-gram drafts, limited so accepting all of them plus a bonus stays in bounds, then
-        trimmed by the draft policy (``speculative.draft_policy: adaptive``)."""
+    def _propose(self, slots: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """N-gram drafts for rows ``slots`` (arrival order), limited so accepting all of them plus a
+        bonus stays in bounds, then trimmed by the draft policy (``speculative.draft_policy: adaptive``).
+        Returns (drafts per slot, drafts flat)."""
         table = self.scheduler.table
-        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
-        lefts = (table.limit[slots] - table.total[slots]).tolist()  # min(max_tokens, max_model_len) left
+        lefts = table.limit[slots] - table.total[slots]  # min(max_tokens, max_model_len) left
+        rooms = np.minimum(lefts, budget + 1) - 1
         critical_only = self.draft_policy is not None and not self.scheduler.waiting
-        pairs = zip(requests, lefts)
-        if critical_only:
-            tokens_left = {r.request_id: left for r, left in zip(requests, lefts)}
-            critical = set(self.draft_policy.critical_rows(tokens_left))
-            pairs = [(r, left) for r, left in zip(requests, lefts) if r.request_id in critical]
-        drafter = self.drafter
-        proposals = {}
-        for request, left in pairs:
-            room = min(left, budget + 1) - 1
-            drafts = []
-            if room > 0:
-                if request.ngram is None:
-                    request.ngram = drafter.new_index(request.prompt_token_ids)
-                drafts = drafter.propose_for(request.ngram, request.output_token_ids, room)
-            if drafts:
-                proposals[request.request_id] = drafts
-            elif critical_only:
-                return {}  # a row on the critical path has nothing to verify: drafting cannot pay
+        if critical_only:  # DraftPolicy.critical_rows, on arrays
+            critical = lefts >= CRITICAL_SHARE * lefts.max(initial=0)
+            rooms = np.where(critical, rooms, 0)
+        counts, flat = self._drafts.propose(slots, rooms)
+        if critical_only and bool(((counts == 0) & critical).any()):
+            return np.zeros(len(slots), np.int32), flat[:0]  # a critical row has nothing to verify: cannot pay
         if self.draft_policy is None:
-            return proposals
-        return self.draft_policy.choose(proposals, len(requests))
+            return counts, flat
+        offsets = offsets_of(counts).tolist()
+        flat_list = flat.tolist()
+        ids = [table.requests[slot].request_id for slot in slots.tolist()]
+        proposals = {rid: flat_list[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids) if counts[i]}
+        chosen = self.draft_policy.choose(proposals, len(slots))
+        kept = [chosen.get(rid, []) for rid in ids]
+        return (np.array([len(d) for d in kept], dtype=np.int32),
+                np.array([t for d in kept for t in d], dtype=np.int32))
 
     def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
@@ -656,6 +654,9 @@ class Coordinator:
             for r, accepted in per_row.items():
                 out[at[r] : at[r] + len(accepted)] = accepted
             self._last_tokens, self._last_counts = out, accepted_counts
+        if self._drafts is not None:
+            counts_now = self._last_counts if self._last_counts is not None else np.ones(n, dtype=np.int32)
+            self._drafts.append(slots, counts_now, self._last_tokens)
         self.metrics.steps += 1
         self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
 
@@ -865,6 +866,19 @@ def _gather(plan: StepPlan, results: Sequence[StepResult]) -> tuple[np.ndarray, 
     for result in ordered:
         logprobs.update(result.logprobs)
     return tokens, counts, logprobs
+
+
+def _drafts_by_row(decision: StepSchedule, row_of_slot: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step's drafts per row (layout after the update) and flat in row order."""
+    rows = row_of_slot[decision.draft_slots]
+    counts = decision.draft_counts
+    order = np.argsort(rows, kind="stable")
+    starts = offsets_of(counts)[:-1][order]
+    c = counts[order]
+    within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+    per_row = np.zeros(batch_size, dtype=np.int32)
+    per_row[rows] = counts
+    return per_row, decision.draft_tokens[np.repeat(starts, c) + within].astype(np.int32)
 
 
 def _runs_by_row(runs: dict[int, list[int]], row_of_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from processors import SamplingParams
 from workers.sampler import TokenLogprobs
@@ -137,7 +137,6 @@ class Request:
     kv: KVState | None = None
     kv_owner: int | None = None  # worker whose blocks ``kv`` names
     slot: int | None = None  # its slot in the scheduler's SlotTable while it holds a row
-    ngram: Any = None  # its n-gram index (speculative decoding), built on first use
     num_preemptions: int = 0
     grammar: Future | None = None  # compiling its structured-output constraint
     first_token_time: float | None = None

@@ -37,8 +37,8 @@ from coordinator.persistent_batch import PersistentBatch
 from coordinator.request import Request
 from coordinator.slot_table import SlotTable
 
-# (rows that sample this step, token budget left) -> drafts by request id
-DraftProposer = Callable[[list[Request], int], dict[str, list[int]]]
+# (slots that sample this step, in arrival order; token budget left) -> (drafts per slot, drafts flat)
+DraftProposer = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 
 class TokenView(Sequence):
@@ -73,7 +73,10 @@ class StepSchedule:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     new_blocks: dict[int, list[int]] = field(default_factory=dict)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
+    # Drafts to verify: slots (arrival order), how many each, the drafts flat in that order.
+    draft_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    draft_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # slots that run this step
 
 
@@ -174,26 +177,10 @@ class Scheduler:
         # 3. drafts for rows that sample this step.
         if propose is not None:
             samples = table.computed[active] + out.num_tokens[active] == table.total[active]
-            sampling = [table.requests[slot] for slot in active[samples].tolist()]
-            proposals = propose(sampling, budget) if sampling else {}
-            for request in sampling:
-                if budget <= 0:
-                    break
-                drafts = proposals.get(request.request_id)
-                if not drafts:
-                    continue
-                slot = request.slot
-                table.store(slot)
-                fed = int(out.num_tokens[slot])
-                room = self._affordable(request, min(len(drafts), budget), extra_after=fed)
-                if room:
-                    out.drafts[slot] = drafts[:room]
-                    total = request.kv.num_computed + fed + room
-                    new = self.kv.grow(request.owner, request.kv, total)
-                    if new:
-                        out.new_blocks.setdefault(slot, []).extend(new)
-                        table.load(slot)
-                    budget -= room
+            sampling = active[samples]
+            if sampling.size:
+                counts, flat = propose(sampling, budget)
+                budget -= self._take_drafts(sampling, counts, flat, budget, out)
         # 4. admissions.
         rows = len(active)
         admitted = []
@@ -230,6 +217,57 @@ class Scheduler:
             rows += 1
         out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
         return out
+
+    def _take_drafts(self, slots: np.ndarray, counts: np.ndarray, flat: np.ndarray, budget: int,
+                     out: StepSchedule) -> int:
+        """Schedule the proposed drafts (slots in arrival order) within the budget and the owners'
+        blocks; returns the budget used. All at once when everything fits in blank blocks, else
+        row by row as budget and blocks allow."""
+        table, size = self.table, self.kv.block_size
+        fed = table.computed[slots] + out.num_tokens[slots]
+        need = np.maximum(-(-(fed + counts) // size) - table.cap[slots] // size, 0)
+        has = counts > 0
+        if int(counts.sum()) <= budget and self._no_eviction(np.repeat(table.owner[slots], need)):
+            grow, grow_need = slots[need > 0], need[need > 0]
+            grow_owner = table.owner[grow]
+            for owner in np.unique(grow_owner).tolist():
+                mine = grow_owner == owner
+                blocks = self.kv.pools[owner].allocate(int(grow_need[mine].sum()))
+                at = 0
+                for slot, count in zip(grow[mine].tolist(), grow_need[mine].tolist()):
+                    new = blocks[at : at + count]
+                    at += count
+                    table.requests[slot].kv.block_table.extend(new)
+                    out.new_blocks.setdefault(slot, []).extend(new)
+            table.cap[slots] += need * size
+            out.draft_slots, out.draft_counts, out.draft_tokens = slots[has], counts[has], flat
+            return int(counts.sum())
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        chosen_slots, chosen_counts, chosen = [], [], []
+        used = 0
+        for i in np.flatnonzero(has).tolist():
+            if budget - used <= 0:
+                break
+            slot = int(slots[i])
+            request = table.requests[slot]
+            table.store(slot)
+            scheduled = int(out.num_tokens[slot])
+            room = self._affordable(request, min(int(counts[i]), budget - used), extra_after=scheduled)
+            if room:
+                chosen_slots.append(slot)
+                chosen_counts.append(room)
+                chosen.append(flat[offsets[i] : offsets[i] + room])
+                new = self.kv.grow(request.owner, request.kv, request.kv.num_computed + scheduled + room)
+                if new:
+                    out.new_blocks.setdefault(slot, []).extend(new)
+                    table.load(slot)
+                used += room
+        if chosen_slots:
+            out.draft_slots = np.array(chosen_slots, dtype=np.int64)
+            out.draft_counts = np.array(chosen_counts, dtype=np.int32)
+            out.draft_tokens = np.concatenate(chosen).astype(np.int32)
+        return used
 
     def _no_eviction(self, owners: np.ndarray) -> bool:
         need = np.bincount(owners, minlength=self.num_workers)

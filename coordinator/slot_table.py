@@ -45,6 +45,7 @@ class SlotTable:
         self.wants_logprobs = np.zeros(capacity, bool)
         self.stream = np.zeros(capacity, bool)  # an output per step
         self.done = np.zeros(capacity, bool)  # finished (or aborted) while still in the batch
+        self.on_release = None  # called with a slot as it is freed (the n-gram drafter forgets the row)
 
     def take(self, request: Request, salted: bool, detokenizer: object = None) -> int:
         """Give ``request`` a slot and fill it from the request (admission)."""
@@ -95,6 +96,8 @@ class SlotTable:
         if request is not None:
             self.store(slot)
             request.slot = None
+        if self.on_release is not None:
+            self.on_release(slot)
         self.requests[slot] = None
         self.outputs[slot] = None
         self.logprobs[slot] = None

@@ -2,7 +2,8 @@
 
 With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2 ...) the decoded text of a
 sequence is the UTF-8 decoding of its tokens' bytes, concatenated. A stop string found in
-the text is then found in those bytes, so when the bytes near the end of a row's output hold
+the text is then found in those bytes (unless it contains U+FFFD, which decoding also writes
+for invalid bytes: rows with such a stop string are always checked exactly), so when the bytes near the end of a row's output hold
 none of its stop strings, the incremental detokenizer's check (``find_stop``) would find none
 either, and decoding that row can wait until its output is built. Only rows whose bytes might
 hold a stop run the exact check, on the critical path. The byte table is checked against the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from cluster.local_engine import LocalEngine
@@ -91,17 +92,27 @@ def test_with_nothing_waiting_only_the_rows_with_most_tokens_left_matter():
     assert DraftPolicy.critical_rows({"a": 100, "b": 95, "c": 40}) == ["a", "b"]
 
 
-class OneRowDrafter:
-    """Drafts [5, 6, 7] for the sequence starting with ``first`` and nothing for any other."""
+class OneRowDrafts:
+    """Drafts [5, 6, 7] for the row whose prompt starts with ``first`` and nothing for any other."""
 
-    def __init__(self, first: int) -> None:
-        self.first = first
+    def __init__(self, coordinator, first: int) -> None:
+        self.table, self.first = coordinator.scheduler.table, first
 
-    def new_index(self, prompt: list[int]) -> list[int]:
-        return prompt
+    def propose(self, slots: np.ndarray, rooms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        counts = [min(3, max(int(room), 0)) if self.table.requests[slot].prompt_token_ids[0] == self.first else 0
+                  for slot, room in zip(slots.tolist(), rooms.tolist())]
+        return np.array(counts, np.int32), np.array([t for c in counts for t in [5, 6, 7][:c]], np.int32)
 
-    def propose_for(self, prompt: list[int], output: list[int], limit: int | None = None) -> list[int]:
-        return [5, 6, 7][:limit] if prompt[0] == self.first else []
+
+def proposals(coordinator, requests, budget: int) -> dict[str, list[int]]:
+    slots = np.array([r.slot for r in requests], dtype=np.int64)
+    counts, flat = coordinator._propose(slots, budget)
+    out, at = {}, 0
+    for request, count in zip(requests, counts.tolist()):
+        if count:
+            out[request.request_id] = flat[at : at + count].tolist()
+        at += count
+    return out
 
 
 def test_a_closed_batch_is_not_drafted_unless_its_critical_rows_all_have_drafts():
@@ -113,12 +124,12 @@ def test_a_closed_batch_is_not_drafted_unless_its_critical_rows_all_have_drafts(
     ids = [coordinator.add_request(p, params) for p in ("a b a b a b a b", "1 2 3 4 5 6 7 8")]
     engine.step()  # both prompts prefilled
     rows = [coordinator.rows[rid] for rid in ids]
-    coordinator.drafter = OneRowDrafter(rows[0].prompt_token_ids[0])
+    coordinator._drafts = OneRowDrafts(coordinator, rows[0].prompt_token_ids[0])
     coordinator.draft_policy.cost._fit = (0.01, 0.0001)  # a step costs mostly its fixed part: drafts are cheap
     assert not coordinator.scheduler.waiting
-    assert coordinator._propose(rows, budget=100) == {}  # the other critical row has nothing to verify
+    assert proposals(coordinator, rows, budget=100) == {}  # the other critical row has nothing to verify
     coordinator.add_request("x y z", params)  # now a row finishing early frees a row someone needs
-    assert coordinator._propose(rows, budget=100) == {ids[0]: [5, 6, 7]}
+    assert proposals(coordinator, rows, budget=100) == {ids[0]: [5, 6, 7]}
 
 
 def test_forgetting_a_finished_row_drops_its_history():
