@@ -212,6 +212,11 @@ def measure(workers: int, mix: str, steps: int, worker_side: bool) -> dict[str, 
         "critical_ms": statistics.median(critical), "off_ms": statistics.median(off),
         "plan_bytes": int(statistics.median(plan_bytes)), "result_bytes": result_bytes[0],
     }
+    drafts = getattr(coordinator, "_drafts", None)
+    if drafts is not None:  # the batched n-gram drafter's memory: its map and the token histories
+        m = drafts.map
+        out["drafter_mib"] = (m.uid.nbytes + m.key.nbytes + m.value.nbytes + m._claim.nbytes
+                              + drafts.history.nbytes) / 2**20
     if worker_ms:
         out["worker_ms"] = statistics.median(worker_ms[warmup:])
         out["apply_ms"] = statistics.median(apply_ms[warmup:])
@@ -242,6 +247,9 @@ def table(title: str, rows: list[dict[str, Any]], before: dict[tuple[int, str], 
         if b is not None:
             line += f" {b['critical_ms']:>10.2f} {b['critical_ms'] / r['critical_ms']:>8.1f}x"
         print(line)
+    for r in rows:
+        if "drafter_mib" in r:
+            print(f"n-gram drafter memory at W={r['workers']} ({r['rows']:.0f} rows): {r['drafter_mib']:.0f} MiB")
     for r in rows:
         if "worker_ms" in r:
             b = before.get((r["workers"], r["mix"]), {})
