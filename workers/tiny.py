@@ -76,7 +76,9 @@ PRESETS: dict[str, TinySpec] = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RAYSAMPLE_CACHE", Path.home() / ".cache" / "raysample"))
+    from workers.model_source import cache_root as root
+
+    return root()
 
 
 def _corpus(seed: int) -> list[str]:

