@@ -13,7 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import RaysampleConfig, load_config
-from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
+from cluster.prompts import Prompt, as_prompt, as_prompt_list, params_per_prompt
 from cluster.ray_cluster import check_cluster_resources, ensure_ray
 from coordinator.request import RequestOutput
 from processors import SamplingParams
@@ -95,6 +95,7 @@ class Engine:
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
         """``final_only``: the engine builds and publishes only these requests' final outputs."""
+        prompts = [as_prompt(p) for p in prompts]
         items = list(zip(prompts, params_per_prompt(params, len(prompts)), request_ids or [None] * len(prompts)))
         return _call(self._actor.add_requests.remote(items, final_only), self.timeout_s)
 

@@ -18,7 +18,7 @@ import torch
 
 from cluster.audit import check_consistency
 from cluster.config import RaysampleConfig, load_config
-from cluster.prompts import Prompt, as_prompt_list, params_per_prompt
+from cluster.prompts import Prompt, as_prompt, as_prompt_list, params_per_prompt
 from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
@@ -61,7 +61,7 @@ class LocalEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     final_only: bool = False) -> str:
         """``final_only``: no intermediate outputs for this request (``generate`` asks so)."""
-        return self.coordinator.add_request(prompt, params, request_id, final_only=final_only)
+        return self.coordinator.add_request(as_prompt(prompt), params, request_id, final_only=final_only)
 
     def abort(self, request_id: str) -> bool:
         return self.coordinator.abort(request_id)

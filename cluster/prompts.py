@@ -7,13 +7,33 @@ from collections.abc import Sequence
 from processors import SamplingParams
 
 Prompt = str | list[int]
+PromptInput = Prompt | dict  # vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...} too
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+FORMS = ('a string, a list of token ids, a {"prompt": ...} or {"prompt_token_ids": ...} dict, '
+         "or a list of these")
 
 
-def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A single prompt (text, or a list of token ids) becomes a list of one."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
+def as_prompt(prompt: PromptInput) -> Prompt:
+    """One prompt in any accepted form, as text or token ids; a dict vLLM takes but we do not is refused."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        what = "multi-modal data is" if any("multi_modal" in k for k in unknown) else f"prompt key(s) {unknown} are"
+        raise ValueError(f"{what} not supported: a prompt dict takes 'prompt' or 'prompt_token_ids'")
+    given = [k for k in PROMPT_KEYS if k in prompt]
+    if len(given) != 1:
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of ids)")
+    return prompt[given[0]]
+
+
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """A single prompt (text, a list of token ids, or a vLLM prompt dict) becomes a list of one."""
+    if prompts is None or isinstance(prompts, (bytes, int, float)):
+        raise TypeError(f"prompts must be {FORMS}; got {type(prompts).__name__}")
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [as_prompt(prompts)]  # type: ignore[arg-type]
+    return [as_prompt(p) for p in prompts]  # type: ignore[union-attr]
 
 
 def params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:

@@ -324,3 +324,23 @@ def test_buffered_outputs_carry_every_delta_in_one_snapshot():
     merged = merge_outputs(merge_outputs(snapshot([1], [1]), snapshot([1, 2], [2])), snapshot([1, 2, 3], [3]))
     assert merged.outputs[0].new_token_ids == [1, 2, 3] and merged.outputs[0].new_text == "123"
     assert merged.outputs[0].token_ids == [1, 2, 3]
+
+
+def test_vllm_prompt_dicts_are_accepted_as_vllm_takes_them(engine):
+    """TextPrompt / TokensPrompt dicts give the same outputs as the plain forms."""
+    ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = engine.generate(["Hello there", ids], params)
+    dicts = engine.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert engine.generate({"prompt_token_ids": ids}, params)[0].token_ids == plain[1].token_ids
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ({"prompt": "a", "multi_modal_data": {"image": 0}}, "multi-modal data is not supported"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt'"),
+    (None, "prompts must be a string, a list of token ids"),
+])
+def test_prompt_forms_we_do_not_take_are_refused_clearly(engine, prompts, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        engine.generate(prompts, SamplingParams(max_tokens=2))
