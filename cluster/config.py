@@ -51,6 +51,9 @@ class ModelSettings(_Section):
             raise ValueError("model.gguf_file names a file inside model.path: give model.path too")
         return self
 
+    def display_name(self) -> str:
+        return self.path or self.preset or f"tiny-{self.tiny}"
+
     def gguf(self) -> Path | None:
         """The GGUF file this source names, if it names one."""
         from workers.model_source import preset_gguf

@@ -57,7 +57,7 @@ class EngineCore:
         self.replacements = 0
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size)
         self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
-                                            self.config.model.path or f"tiny-{self.config.model.tiny}")
+                                            self.config.model.display_name())
         logger.info("%s", self.coordinator.kv_summary())
         self._graph: Any = None  # compiled graph over the live workers, when enabled
         if self.overlap_outputs is None:

@@ -279,7 +279,7 @@ class OpenAIBatchFormat(GenerateFormat):
         return request.custom_id, request, request.prompt, request.params
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
-        name = self.config.model.path or f"tiny-{self.config.model.tiny}"
+        name = self.config.model.display_name()
         return response_line(context, out, self.tokenizer(), name)
 
     def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
@@ -333,7 +333,7 @@ def pending_lines(fmt: GenerateFormat, input_path: Path, output_path: Path) -> t
 def describe_start(config: RaysampleConfig, local: bool) -> str:
     """What is being started, said before the seconds it takes."""
     model, cluster = config.model, config.cluster
-    name = model.path or f"tiny-{model.tiny}"
+    name = model.display_name()
     if local:
         return f"{name} in this process (--local)"
     device = f"{cluster.gpus_per_worker:g} GPU" if cluster.gpus_per_worker else f"{cluster.cpus_per_worker:g} CPU"

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import yaml
 
 from processors import BatchUpdate, EngineConfig, MoveDirectionality, SamplingParams
 
 VOCAB = 32
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_job_config() -> dict:
+    """``configs/default.yaml`` on the tiny test model (the default before the real one), for tests
+    of the job machinery, which does not depend on the model: the tiny one is fast."""
+    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config["model"] = {"tiny": "default", "dtype": "float32", "max_model_len": 256}
+    config["cache"]["kv_cache_memory"] = "16MiB"
+    config["defaults"] = {"max_tokens": 32, "temperature": 0.8, "top_p": 0.95}
+    return config
 
 
 def engine_config(max_num_seqs: int = 64) -> EngineConfig:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import tiny_job_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 GOOD = [
@@ -38,7 +40,7 @@ BAD_LINES = [
 
 @pytest.fixture()
 def job_files(tmp_path):
-    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config = tiny_job_config()
     config["scheduler"]["max_num_seqs"] = 4
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -138,7 +140,7 @@ def test_ctrl_c_stops_cleanly_and_says_rerunning_resumes(tmp_path):
     import signal
     import time
 
-    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config = tiny_job_config()
     config["scheduler"]["max_num_seqs"] = 2
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     total = 200  # enough that the signal lands mid-run however fast the engine is

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import tiny_job_config
+
 from cluster.config import load_config
 from cluster.job import GenerateFormat, LocalBackend, OpenAIBatchFormat, lock_output, OutputLocked, run_job
 
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def config():
-    data = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    data = tiny_job_config()
     data["scheduler"]["max_num_seqs"] = 4
     data["cluster"]["num_workers"] = 1
     return load_config(data)

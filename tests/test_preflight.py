@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from helpers import tiny_job_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bad_jobs_fail_fast_with_one_line(tmp_path, change, local, message):
     if torch.cuda.is_available() and "gpus_per_worker" in str(change):
         pytest.skip("this host has a GPU: the GPU check passes here")
-    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config = tiny_job_config()
     for key, value in change.items():
         config[key] = value if key == "processors" else {**config.get(key, {}), **value}
     if "path" in config["model"]:

@@ -16,6 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
+
+from helpers import tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,7 +79,8 @@ def test_ray_job_submit_as_the_readme_shows_it(ray_head, tmp_path):
     address, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(
-        json.dumps({"id": i, "prompt": f"job request {i}", "sampling_params": {"seed": i, "max_tokens": 6}}) + "\n"
+        json.dumps({"id": i, "prompt": f"job request {i}",
+                    "sampling_params": {"seed": i, "max_tokens": 6, "ignore_eos": True}}) + "\n"
         for i in range(6)
     ) + json.dumps({"id": "target", "prompt": "x", "extra_args": {"target_token": 9},
                     "sampling_params": {"max_tokens": 3}}) + "\n")
@@ -88,7 +92,7 @@ def test_ray_job_submit_as_the_readme_shows_it(ray_head, tmp_path):
     assert "succeeded" in log.lower()
     full = run.stdout + run.stderr
     assert "Loading weights" not in full and "Tearing down compiled DAG" not in full  # quiet worker logs
-    assert "[raysample] starting tiny-default on 2 worker(s)" in full and "the Ray job's cluster" in full
+    assert "[raysample] starting smollm2-135m-instruct on 2 worker(s)" in full and "the Ray job's cluster" in full
     records = {str(r["id"]): r for r in map(json.loads, output.read_text().splitlines())}
     assert set(records) == {*map(str, range(6)), "target"}
     assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
@@ -166,10 +170,13 @@ def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_
     """`ray start --head` is running on this host: `address: local` must not join it."""
     _, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": 1, "prompt": "private", "sampling_params": {"seed": 1, "max_tokens": 4}}) + "\n")
+    prompts.write_text(json.dumps({"id": 1, "prompt": "private",
+                                   "sampling_params": {"seed": 1, "max_tokens": 4, "ignore_eos": True}}) + "\n")
     output = tmp_path / "out.jsonl"
+    config = tmp_path / "tiny.yaml"  # the model does not matter here: the fast tiny one
+    config.write_text(yaml.safe_dump(tiny_job_config()))
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.job", "generate", "--config", "configs/default.yaml", "--input", str(prompts),
+        [sys.executable, "-m", "cluster.job", "generate", "--config", str(config), "--input", str(prompts),
          "--output", str(output)],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )

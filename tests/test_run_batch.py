@@ -10,6 +10,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from helpers import tiny_job_config
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9}},
@@ -41,7 +43,7 @@ LINES = [
 
 
 def run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    config = tiny_job_config()
     config["scheduler"]["max_num_seqs"] = 4
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     command = [str(Path(sys.executable).parent / "raysample"), "run-batch", "-i", str(tmp_path / "in.jsonl"),
