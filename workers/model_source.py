@@ -67,13 +67,18 @@ def preset_gguf(name: str) -> Path:
     return path
 
 
-def check_gguf(path: Path) -> str:
-    """Read the header; return the architecture. Not a GGUF, truncated or unreadable: one line."""
+def _check_magic(path: Path) -> None:
     if not path.is_file():
         raise ModelSourceError(f"{path}: no such GGUF file")
     with path.open("rb") as f:
         if f.read(4) != MAGIC:
             raise ModelSourceError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+
+
+def check_gguf(path: Path) -> str:
+    """Read the whole header (seconds for a large vocabulary); return the architecture.
+    Not a GGUF, truncated or unreadable: one line."""
+    _check_magic(path)
     try:
         from gguf import GGUFReader
 
@@ -109,12 +114,13 @@ def storage_dtype(dtype: str) -> str:
 def gguf_to_transformers(path: str | Path, dtype: str = "auto") -> Path:
     """The cached transformers directory for this GGUF file, converting it on first use."""
     path = Path(path).expanduser().resolve()
-    check_gguf(path)
+    _check_magic(path)
     stored = storage_dtype(dtype)
     models = cache_root() / "models"
     target = models / f"{path.stem}-{_digest(path)}-{stored}-v{CONVERSION_FORMAT}"
-    if (target / ".complete").is_file():
+    if (target / ".complete").is_file():  # converted before: the content hash vouches for the file
         return target
+    check_gguf(path)
     try:
         models.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models))
