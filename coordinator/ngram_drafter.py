@@ -12,9 +12,9 @@ class NgramDrafter:
     """Proposes the tokens that followed the latest earlier occurrence of the sequence's tail.
 
     Tries tail lengths from ``max_n`` down to ``min_n``; the first match wins. The search is a
-    byte-level ``rfind`` over the ids packed as int64 (matches off a token boundary are skipped):
-    it runs for every decoding row every step, and at 64 rows a windowed numpy comparison cost
-    several milliseconds per step.
+    byte-level ``rfind`` over the ids packed as int64 (matches off a token boundary are skipped).
+    The engine proposes for all rows at once with ``coordinator.ngram_batch``, which must give
+    what this search gives (a property test holds it so) and asks it on a hash collision.
     """
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
