@@ -153,7 +153,8 @@ class Scheduler:
                 # Allocations take never-cached blocks only, so they cannot change the prefix
                 # index that commits write: decode rows get their block in bulk (arrival order
                 # within each owner, as one by one), the rest go one by one.
-                self._one_block_each(running[needs_block & ~prefill], out)
+                decode = running[needs_block & ~prefill]
+                self._grow_in_bulk(decode, np.ones(len(decode), dtype=np.int64), out)
                 changing = prefill
                 self._publish_filled(running[commits & ~prefill])
             else:
@@ -228,18 +229,7 @@ class Scheduler:
         need = np.maximum(-(-(fed + counts) // size) - table.cap[slots] // size, 0)
         has = counts > 0
         if int(counts.sum()) <= budget and self._no_eviction(np.repeat(table.owner[slots], need)):
-            grow, grow_need = slots[need > 0], need[need > 0]
-            grow_owner = table.owner[grow]
-            for owner in np.unique(grow_owner).tolist():
-                mine = grow_owner == owner
-                blocks = self.kv.pools[owner].allocate(int(grow_need[mine].sum()))
-                at = 0
-                for slot, count in zip(grow[mine].tolist(), grow_need[mine].tolist()):
-                    new = blocks[at : at + count]
-                    at += count
-                    table.requests[slot].kv.block_table.extend(new)
-                    out.new_blocks.setdefault(slot, []).extend(new)
-            table.cap[slots] += need * size
+            self._grow_in_bulk(slots, need, out)
             out.draft_slots, out.draft_counts, out.draft_tokens = slots[has], counts[has], flat
             return int(counts.sum())
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -273,19 +263,26 @@ class Scheduler:
         need = np.bincount(owners, minlength=self.num_workers)
         return all(int(k) <= len(pool.blank) for k, pool in zip(need.tolist(), self.kv.pools))
 
-    def _one_block_each(self, slots: np.ndarray, out: StepSchedule) -> None:
-        """One new block for each of these decode rows (already in arrival order), from blank blocks."""
+    def _grow_in_bulk(self, slots: np.ndarray, need: np.ndarray, out: StepSchedule) -> None:
+        """``need[i]`` new blocks for row ``slots[i]`` (arrival order), when the owners' blank blocks
+        suffice (``_no_eviction``): one allocation per owner, handed out in arrival order, which
+        gives each row the blocks one-by-one allocation would."""
+        grows = need > 0
+        slots, need = slots[grows], need[grows]
         if slots.size == 0:
             return
         table = self.table
         owners = table.owner[slots]
         for owner in np.unique(owners).tolist():
-            mine = slots[owners == owner].tolist()
-            blocks = self.kv.pools[owner].allocate(len(mine))
-            requests = [table.requests[slot] for slot in mine]
-            deque(map(list.append, (r.kv.block_table for r in requests), blocks), maxlen=0)
-            out.new_blocks.update(zip(mine, ([b] for b in blocks)))
-        table.cap[slots] += self.kv.block_size
+            mine = owners == owner
+            blocks = self.kv.pools[owner].allocate(int(need[mine].sum()))
+            at = 0
+            for slot, count in zip(slots[mine].tolist(), need[mine].tolist()):
+                new = blocks[at : at + count]
+                at += count
+                table.requests[slot].kv.block_table.extend(new)
+                out.new_blocks.setdefault(slot, []).extend(new)
+        table.cap[slots] += need * self.kv.block_size
 
     def _publish_filled(self, slots: np.ndarray) -> None:
         """Decode rows whose last block fills with this step's token: publish its prefix key
