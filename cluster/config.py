@@ -212,8 +212,14 @@ class SpeculativeSettings(_Section):
 
 
 class ReasoningSettings(_Section):
+    """Thinking markers. As text they match however the tokenizer splits them after other text
+    (``" <think>"`` and ``"<think>"`` are different ids in most BPE vocabularies); as ids they
+    match exactly, and ``end_token_ids`` is also what a spent budget forces."""
+
     start: str = "<think>"
     end: str = "</think>"
+    start_token_ids: list[int] | None = Field(default=None, min_length=1)
+    end_token_ids: list[int] | None = Field(default=None, min_length=1)
 
 
 class StructuredOutputSettings(_Section):

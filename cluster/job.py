@@ -31,7 +31,7 @@ from cluster.job_paths import JobPathError, check_job_paths
 from cluster.preflight import PreflightError, preflight
 from cluster.quiet import quiet_libraries
 from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
-from coordinator.request import CompletionOutput, RequestOutput
+from coordinator.request import CompletionOutput, RequestOutput, top_of
 from processors import SamplingParams
 
 logger = logging.getLogger("raysample.job")
@@ -160,7 +160,7 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tu
         raise BadLine(f"invalid sampling_params: {exc}") from None
 
 
-def completion_record(completion: CompletionOutput) -> dict[str, Any]:
+def completion_record(completion: CompletionOutput, num_logprobs: int | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "text": completion.text,
         "token_ids": completion.token_ids,
@@ -168,20 +168,21 @@ def completion_record(completion: CompletionOutput) -> dict[str, Any]:
         "stop_reason": completion.stop_reason,
     }
     if completion.logprobs is not None:
+        k = -1 if num_logprobs is None else num_logprobs
         record["logprobs"] = [
-            {"token_id": lp.sampled_token_id, "logprob": lp.sampled_logprob, "rank": lp.sampled_rank,
-             "top": [[t, v] for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
-            for lp in completion.logprobs
+            {"token_id": token, "logprob": position[token].logprob, "rank": position[token].rank,
+             "top": [[t, lp.logprob] for t, lp in top_of(position, token, k)]}
+            for token, position in zip(completion.token_ids, completion.logprobs)
         ]
     return record
 
 
-def result_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
+def result_record(rid: Any, out: RequestOutput, num_logprobs: int | None = None) -> dict[str, Any]:
     """The first completion's fields at the top level; with n > 1 every completion under ``outputs``."""
-    record: dict[str, Any] = {"id": rid, **completion_record(out.outputs[0]), "error": out.error,
+    record: dict[str, Any] = {"id": rid, **completion_record(out.outputs[0], num_logprobs), "error": out.error,
                               "prompt_tokens": len(out.prompt_token_ids)}
     if len(out.outputs) > 1:
-        record["outputs"] = [{"index": c.index, **completion_record(c)} for c in out.outputs]
+        record["outputs"] = [{"index": c.index, **completion_record(c, num_logprobs)} for c in out.outputs]
     end = out.finished_time or time.monotonic()
     record["timing"] = {
         "first_token_s": None if out.first_token_time is None else round(out.first_token_time - out.arrival_time, 4),
@@ -237,7 +238,7 @@ class GenerateFormat:
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer)
-        return rid, rid, prompt, params
+        return rid, (rid, params.logprobs), prompt, params
 
     def peek(self, line: str) -> Any:
         try:
@@ -248,7 +249,8 @@ class GenerateFormat:
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
-        return result_record(context, out)
+        rid, num_logprobs = context
+        return result_record(rid, out, num_logprobs)
 
     def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
         return error_record(rid, line_no, message)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.chat import render_chat
-from coordinator.request import CompletionOutput, RequestOutput
+from coordinator.request import CompletionOutput, Logprob, RequestOutput, top_of
 from processors import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -143,33 +143,40 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _chat_logprobs(tokenizer: Any, completion: CompletionOutput) -> dict[str, Any] | None:
+def _positions(completion: CompletionOutput, num_top: int) -> list[tuple[int, Logprob, list[tuple[int, Logprob]]]]:
+    """(sampled token, its logprob, the top ones) per generated position."""
+    assert completion.logprobs is not None
+    return [(token, position[token], top_of(position, token, num_top))
+            for token, position in zip(completion.token_ids, completion.logprobs)]
+
+
+def _chat_logprobs(tokenizer: Any, completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
     if completion.logprobs is None:
         return None
     content = []
-    for lp in completion.logprobs:
-        text = _token_text(tokenizer, lp.sampled_token_id)
+    for token, sampled, top in _positions(completion, num_top):
+        text = _token_text(tokenizer, token)
         content.append({
-            "token": text, "logprob": lp.sampled_logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := _token_text(tokenizer, tok)), "logprob": v, "bytes": list(t.encode())}
-                             for tok, v in zip(lp.top_token_ids, lp.top_logprobs)],
+            "token": text, "logprob": sampled.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := _token_text(tokenizer, tok)), "logprob": lp.logprob,
+                              "bytes": list(t.encode())} for tok, lp in top],
         })
     return {"content": content}
 
 
-def _completion_logprobs(tokenizer: Any, completion: CompletionOutput) -> dict[str, Any] | None:
+def _completion_logprobs(tokenizer: Any, completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
     if completion.logprobs is None:
         return None
-    tokens = [_token_text(tokenizer, lp.sampled_token_id) for lp in completion.logprobs]
+    positions = _positions(completion, num_top)
+    tokens = [_token_text(tokenizer, token) for token, _, _ in positions]
     offsets, at = [], 0
     for text in tokens:
         offsets.append(at)
         at += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.sampled_logprob for lp in completion.logprobs],
-        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                         for lp in completion.logprobs],
+        "token_logprobs": [sampled.logprob for _, sampled, _ in positions],
+        "top_logprobs": [{_token_text(tokenizer, t): lp.logprob for t, lp in top} for _, _, top in positions],
         "text_offset": offsets,
     }
 
@@ -182,15 +189,16 @@ def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, mod
     if out.error is not None:  # 500 for an engine-side failure (a resumed run retries it), else 400
         return error_line(request.custom_id, out.error, status_code=500 if out.retryable else 400)
     chat = request.url == CHAT_URL
+    num_top = request.params.logprobs if request.params.logprobs is not None else 0
     choices = []
     for c in out.outputs:
         reason = c.finish_reason.value if c.finish_reason else None
         if chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _chat_logprobs(tokenizer, c), "finish_reason": reason,
+                            "logprobs": _chat_logprobs(tokenizer, c, num_top), "finish_reason": reason,
                             "stop_reason": c.stop_reason})
         else:
-            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(tokenizer, c),
+            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(tokenizer, c, num_top),
                             "finish_reason": reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {

@@ -29,6 +29,8 @@ from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offs
 from coordinator.request import (
     CompletionOutput,
     FinishReason,
+    Logprob,
+    PositionLogprobs,
     Request,
     RequestGroup,
     RequestOutput,
@@ -109,6 +111,7 @@ class Coordinator:
                  max_logprobs: int = 20, draft_policy: DraftPolicy | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
+        self._token_texts: dict[int, str] = {}
         self.drafter = drafter
         self.draft_policy = draft_policy if drafter is not None else None
         self._plan_started = 0.0
@@ -231,9 +234,11 @@ class Coordinator:
             return (f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
                     "which leaves no room to generate")
         cap = vocab if self.max_logprobs == -1 else min(self.max_logprobs, vocab)
+        if params.logprobs == -1:  # vLLM: the whole vocabulary
+            params.logprobs = vocab
         if params.logprobs is not None and params.logprobs > cap:
             return (f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {cap} "
-                    "(model.max_logprobs, at most the vocabulary)")
+                    "(model.max_logprobs, at most the vocabulary; logprobs=-1 asks for all of it)")
         if params.thinking_token_budget is not None and not self.reasoning_enabled:
             return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
         if params.n > self.scheduler.rows_per_worker:
@@ -808,6 +813,24 @@ class Coordinator:
         if stop is not None:
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
 
+    def _logprob_dicts(self, request: Request) -> list[PositionLogprobs]:
+        """vLLM's shape, converted once per position: the sampled token first, then the top ones."""
+        done = request.logprob_dicts
+        del done[len(request.logprobs):]
+        for lp in request.logprobs[len(done):]:
+            position = {lp.sampled_token_id: Logprob(lp.sampled_logprob, lp.sampled_rank,
+                                                     self._token_text(lp.sampled_token_id))}
+            for rank, (token, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+                position[token] = Logprob(value, rank, self._token_text(token))
+            done.append(position)
+        return list(done)
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
     def _completion(self, request: Request) -> CompletionOutput:
         detok = self.detokenizers.get(request.request_id)
         if detok is not None:
@@ -815,12 +838,13 @@ class Coordinator:
         text = detok.visible_text(request.finished) if detok is not None else ""
         sent_chars, sent_tokens = self._emitted[request.request_id]
         self._emitted[request.request_id] = (len(text), len(request.output_token_ids))
-        logprobs = list(request.logprobs) if request.logprobs is not None else None
+        logprobs = self._logprob_dicts(request) if request.logprobs is not None else None
         return CompletionOutput(
             index=request.child_index,
             text=text,
             token_ids=list(request.output_token_ids),
-            cumulative_logprob=sum(lp.sampled_logprob for lp in logprobs) if logprobs is not None else None,
+            cumulative_logprob=(sum(lp.sampled_logprob for lp in request.logprobs)
+                                if request.logprobs is not None else None),
             logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,

@@ -32,6 +32,29 @@ class FinishReason(StrEnum):
 
 
 @dataclass
+class Logprob:
+    """One token's log probability in a position's logprobs, as vLLM's ``Logprob``.
+
+    ``rank``: 1 for the most likely token; the sampled token, when it is not among the top ones,
+    has its rank in the whole vocabulary. ``decoded_token``: the token alone, decoded.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs, as vLLM: the sampled token first, then the top ``logprobs`` tokens by rank.
+PositionLogprobs = dict[int, Logprob]
+
+
+def top_of(position: PositionLogprobs, sampled: int, num_top: int) -> list[tuple[int, Logprob]]:
+    """The top ``num_top`` entries of a position by rank (-1: all), without a sampled token outside them."""
+    entries = [(t, lp) for t, lp in position.items() if num_top < 0 or len(position) <= num_top or t != sampled]
+    return sorted(entries, key=lambda e: e[1].rank or 0)
+
+
+@dataclass
 class CompletionOutput:
     """One of the ``n`` completions of a request, as vLLM's ``CompletionOutput``.
 
@@ -42,7 +65,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     new_text: str = ""
@@ -87,7 +110,7 @@ class RequestOutput:
         return self.outputs[0].stop_reason
 
     @property
-    def logprobs(self) -> list[TokenLogprobs] | None:
+    def logprobs(self) -> list[PositionLogprobs] | None:
         return self.outputs[0].logprobs
 
     @property
@@ -129,6 +152,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    logprob_dicts: list[PositionLogprobs] = field(default_factory=list)  # vLLM's shape, built as outputs are
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -202,8 +202,8 @@ class SamplingParams:
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise _fail("min_tokens", f"must be less than or equal to max_tokens={max_tokens}, got {self.min_tokens}.")
         logprobs = integer("logprobs", optional=True)
-        if logprobs is not None and logprobs < 0:
-            raise _fail("logprobs", f"must be non-negative, got {logprobs}.")
+        if logprobs is not None and logprobs < 0 and logprobs != -1:
+            raise _fail("logprobs", f"must be non-negative or -1, got {logprobs}.")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _fail("stop_token_ids", f"must contain only non-negative integers, got {self.stop_token_ids}.")
         if not all(isinstance(s, str) and s for s in self.stop):

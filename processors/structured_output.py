@@ -25,6 +25,7 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate, LogitsProcessor
+from processors.markers import Marker
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
 from processors.structured_outputs import StructuredOutputsParams
@@ -112,20 +113,11 @@ class RowMatcher:
     scan: int = 0  # output scanned for the thinking end sequence
 
 
-def _find(seq: list[int], sub: list[int], begin: int = 0) -> int:
-    """Index just after the first occurrence of ``sub`` in ``seq[begin:]``, or -1."""
-    n = len(sub)
-    for i in range(max(begin, 0), len(seq) - n + 1):
-        if seq[i : i + n] == sub:
-            return i + n
-    return -1
-
-
 class StructuredOutputLogitsProcessor(LogitsProcessor):
     supports_spec_decode = True  # follows the live lists with accept / rollback
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool,
-                 reasoning: tuple[list[int], list[int]] | None = None, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 reasoning: tuple[Marker, Marker] | None = None, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         model = getattr(vllm_config, "model_config", None)
         self.tokenizer_path = getattr(model, "tokenizer", None)
         self.vocab_size = getattr(model, "vocab_size", 0)
@@ -163,9 +155,8 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         if self.reasoning is None:
             return False
         start, end = self.reasoning
-        last_start = max((i for i in range(len(prompt) - len(start) + 1) if prompt[i : i + len(start)] == start),
-                         default=-1)
-        return last_start >= 0 and _find(prompt, end, last_start + len(start)) < 0
+        last_start = start.last_end(prompt, 0, len(prompt))
+        return last_start >= 0 and end.first_end(prompt, last_start) < 0
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.rows, batch_update, self._new_row)
@@ -179,7 +170,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             if row.consumed:
                 row.matcher.rollback(row.consumed)
                 row.consumed, row.rejected_at = 0, None
-            end = _find(output, self.reasoning[1], max(0, row.scan - len(self.reasoning[1])))
+            end = self.reasoning[1].first_end(output, row.scan)
             row.scan = len(output)
             if end < 0:
                 return

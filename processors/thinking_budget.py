@@ -30,17 +30,7 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate, MoveDirectionality
-
-
-def _last_end(tokens: list[int], pattern: list[int], start: int, stop: int) -> int:
-    """End index (exclusive) of the last occurrence of ``pattern`` ending in (start, stop], else -1."""
-    n = len(pattern)
-    if not n:
-        return -1
-    for end in range(stop, max(start, n - 1), -1):
-        if tokens[end - n : end] == pattern:
-            return end
-    return -1
+from processors.markers import Marker, TextMarker, TokenMarker, as_marker
 
 
 @dataclass
@@ -54,12 +44,19 @@ class _RowState:
 
 
 class ThinkingBudgetStateHolder:
-    def __init__(self, start_token_ids: list[int], end_token_ids: list[int], max_num_seqs: int,
-                 device: torch.device | str = "cpu") -> None:
-        if not start_token_ids or not end_token_ids:
-            raise ValueError("reasoning start and end must each tokenize to at least one token")
-        self.start = list(start_token_ids)
-        self.end = list(end_token_ids)
+    """``start`` / ``end``: markers (or exact id lists); ``forced_end``: the ids forced when the budget
+    is spent (default: the end marker's ids, which an id-list end has)."""
+
+    def __init__(self, start: Marker | list[int], end: Marker | list[int], max_num_seqs: int,
+                 device: torch.device | str = "cpu", forced_end: list[int] | None = None) -> None:
+        self.start, self.end = as_marker(start), as_marker(end)
+        if forced_end is None:
+            if not isinstance(self.end, TokenMarker):
+                raise ValueError("a text end marker needs the token ids to force (forced_end)")
+            forced_end = self.end.ids
+        if not forced_end:
+            raise ValueError("the reasoning end must tokenize to at least one token")
+        self.forced_end = list(forced_end)
         self.max_num_seqs = max_num_seqs
         self.device = torch.device(device)
         self._state: dict[int, _RowState] = {}
@@ -90,15 +87,13 @@ class ThinkingBudgetStateHolder:
 
     def _scan(self, state: _RowState, tokens: list[int], start: int, stop: int) -> tuple[int, int]:
         """(last start, last end) after scanning sequence ends in (start, stop]."""
-        last_start = _last_end(tokens, self.start, start, stop)
-        last_end = _last_end(tokens, self.end, start, stop)
-        return last_start, last_end
+        return self.start.last_end(tokens, start, stop), self.end.last_end(tokens, start, stop)
 
     def _committed(self, state: _RowState, committed: int) -> tuple[int, int]:
         """Advance the cached scan to ``committed`` tokens (never includes drafts)."""
         if committed > state.scanned:
             tokens = state.prompt + state.output[: committed - len(state.prompt)]
-            overlap = max(len(self.start), len(self.end)) - 1
+            overlap = max(self.start.span, self.end.span) - 1
             s, e = self._scan(state, tokens, max(0, state.scanned - overlap), committed)
             if s != -1:
                 state.last_start = max(state.last_start, s)
@@ -114,7 +109,7 @@ class ThinkingBudgetStateHolder:
         total = committed + num_drafts
         if num_drafts:
             tokens = state.prompt + state.output
-            overlap = max(len(self.start), len(self.end)) - 1
+            overlap = max(self.start.span, self.end.span) - 1
             s, e = self._scan(state, tokens, max(0, committed - overlap), total)
             last_start, last_end = max(last_start, s), max(last_end, e)
         if last_start == -1 or last_end > last_start:
@@ -122,8 +117,8 @@ class ThinkingBudgetStateHolder:
         # Forcing starts once the budget is spent, or at the first generated token
         # when the prompt alone already spent it.
         force_from = max(last_start + state.budget, len(state.prompt))
-        if force_from <= total < force_from + len(self.end):
-            return self.end[total - force_from]
+        if force_from <= total < force_from + len(self.forced_end):
+            return self.forced_end[total - force_from]
         return None
 
     def forced_rows(self, rows: slice, num_drafts: dict[int, int] | None = None) -> dict[int, int]:
@@ -162,8 +157,28 @@ class ThinkingBudgetStateHolder:
 
 def maybe_thinking_budget_holder(reasoning: Any, tokenizer: Any, max_num_seqs: int,
                                  device: torch.device | str = "cpu") -> ThinkingBudgetStateHolder | None:
-    """A holder when the config has a ``reasoning`` section (start/end strings), else None."""
+    """A holder when the config has a ``reasoning`` section, else None.
+
+    Markers given as strings match the decoded text, however the tokenizer splits them after
+    other text; ``start_token_ids`` / ``end_token_ids`` match those exact ids instead.
+    """
     if reasoning is None:
         return None
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    return ThinkingBudgetStateHolder(encode(reasoning.start), encode(reasoning.end), max_num_seqs, device)
+    start, end, forced_end = reasoning_markers(reasoning, tokenizer)
+    return ThinkingBudgetStateHolder(start, end, max_num_seqs, device, forced_end=forced_end)
+
+
+def reasoning_markers(reasoning: Any, tokenizer: Any) -> tuple[Marker, Marker, list[int]]:
+    """(start marker, end marker, ids forced to end thinking) from a ``reasoning`` config section."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def marker(text: str, ids: list[int] | None) -> Marker:
+        return TokenMarker(ids) if ids else TextMarker(text, decode)
+
+    start_ids = getattr(reasoning, "start_token_ids", None)
+    end_ids = getattr(reasoning, "end_token_ids", None)
+    forced = list(end_ids) if end_ids else tokenizer.encode(reasoning.end, add_special_tokens=False)
+    if not forced:
+        raise ValueError(f"reasoning end {reasoning.end!r} tokenizes to no tokens")
+    return marker(reasoning.start, start_ids), marker(reasoning.end, end_ids), forced

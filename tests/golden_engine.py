@@ -17,6 +17,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.local_engine import LocalEngine  # noqa: E402
+from coordinator.request import top_of  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "engine_outputs.json"
@@ -102,7 +103,9 @@ def record(out: Any) -> dict[str, Any]:
                 "finish_reason": str(c.finish_reason) if c.finish_reason is not None else None,
                 "stop_reason": c.stop_reason,
                 "logprobs": None if c.logprobs is None else [
-                    [lp.sampled_token_id, round(lp.sampled_logprob, 4), lp.top_token_ids] for lp in c.logprobs
+                    [token, round(position[token].logprob, 4),
+                     [t for t, _ in top_of(position, token, 2)]]  # the workload asks logprobs=2
+                    for token, position in zip(c.token_ids, c.logprobs)
                 ],
             }
             for c in out.outputs

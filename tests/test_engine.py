@@ -226,7 +226,7 @@ def test_admission_checks_ranges_and_token_zero_is_a_target(engine):
         ],
     )
     assert "greater than max allowed: 20" in outs[0].error and "greater than max allowed: 20" in outs[1].error
-    assert outs[2].error is None and len(outs[2].outputs[0].logprobs[0].top_token_ids) == 20
+    assert outs[2].error is None and len(outs[2].outputs[0].logprobs[0]) in (20, 21)
     assert outs[3].error is None and len(outs[3].token_ids) == 3  # an unsigned 64-bit seed is fine
     assert outs[4].token_ids == [0, 0, 0]
     with pytest.raises(ValueError, match="seed must be in"):
@@ -250,9 +250,26 @@ def test_custom_processor_only_on_requests_that_enable_it(engine):
 def test_logprobs_per_token(engine):
     out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 4
-    for token, lp in zip(out.token_ids, out.logprobs):
-        assert lp.sampled_token_id == token and lp.sampled_rank == 1 and len(lp.top_token_ids) == 3
-        assert lp.top_token_ids[0] == token
+    for token, position in zip(out.token_ids, out.logprobs):
+        # vLLM's shape: {token id: Logprob}, the sampled token first, then the top 3 by rank
+        assert next(iter(position)) == token and len(position) == 3
+        assert position[token].rank == 1 and [lp.rank for lp in position.values()] == [1, 2, 3]
+        assert position[token].decoded_token == engine.tokenizer.decode([token])
+        assert max(lp.logprob for lp in position.values()) == position[token].logprob
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary():
+    engine = engine_with(model={"tiny": "default", "max_model_len": 64, "max_logprobs": -1})
+    vocab = engine.coordinator.model.vocab_size
+    out = engine.generate("Hello", SamplingParams(seed=3, max_tokens=2, logprobs=-1, ignore_eos=True))[0]
+    assert out.error is None
+    for token, position in zip(out.token_ids, out.logprobs):
+        assert len(position) == vocab and sorted(lp.rank for lp in position.values()) == list(range(1, vocab + 1))
+        total = torch.logsumexp(torch.tensor([lp.logprob for lp in position.values()]), 0)
+        assert abs(float(total)) < 1e-4  # a full distribution
+    capped = LocalEngine({"model": {"tiny": "default", "max_model_len": 64}})  # max_logprobs 20, as vLLM
+    refused, = capped.generate("Hello", SamplingParams(max_tokens=2, logprobs=-1))
+    assert f"Requested sample logprobs of {vocab}, which is greater than max allowed: 20" in refused.error
 
 
 def test_max_model_len_caps_generation():
