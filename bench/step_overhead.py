@@ -53,7 +53,7 @@ def config(workers: int, name: str, compiled: bool) -> dict:
 def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) -> float:
     engine = LocalEngine(config(workers, "local", False))
     overheads = []
-    engine.submit(prompts, params)
+    engine.submit_many(prompts, params)
     while engine.has_unfinished():
         start = time.perf_counter()
         plan = engine.coordinator.next_plan()

@@ -1,12 +1,13 @@
 """Configuration, Ray start-up and placement, the client handle, the job entrypoint.
 
-``from cluster import Engine`` is the Ray client handle; ``LocalEngine`` runs
-the same step loop in one process.
+``from cluster import LLM`` is vLLM's offline handle (``AsyncLLM`` its streaming one);
+``Engine`` is the Ray client handle under them; ``LocalEngine`` runs the same
+step loop in one process.
 """
 
 from typing import Any
 
-__all__ = ["Engine", "EngineError", "LocalEngine", "load_config"]
+__all__ = ["LLM", "AsyncLLM", "Engine", "EngineError", "LocalEngine", "load_config"]
 
 
 def __getattr__(name: str) -> Any:  # import Ray only when the handle is used
@@ -14,6 +15,10 @@ def __getattr__(name: str) -> Any:  # import Ray only when the handle is used
         from cluster import client
 
         return getattr(client, name)
+    if name in ("LLM", "AsyncLLM"):
+        from cluster import llm
+
+        return getattr(llm, name)
     if name == "LocalEngine":
         from cluster.local_engine import LocalEngine
 

@@ -13,7 +13,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template: str | None = None) -> list[int]:
     """Token ids of ``messages`` with the generation prompt appended; ValueError names what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
@@ -30,11 +32,16 @@ def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] |
         raise ValueError("'chat_template_kwargs' must be an object")
     normalized = [{**m, "content": m["content"] if isinstance(m["content"], str)
                    else "".join(p["text"] for p in m["content"])} for m in messages]
-    if getattr(tokenizer, "chat_template", None) is None:
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model's tokenizer has no chat template; send 'prompt' instead of 'messages'")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
-        ids = tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True,
-                                            **(template_kwargs or {}))
+        ids = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra, **(template_kwargs or {}))
     except Exception as exc:
         raise ValueError(f"the chat template could not render these messages: {type(exc).__name__}: {exc}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -13,12 +13,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import RaysampleConfig, load_config
-from cluster.prompts import Prompt, as_prompt, as_prompt_list, params_per_prompt
+from cluster.engine_api import POLL_S, RequestAPI
+from cluster.prompts import Params, PromptInput, as_prompt, params_per_prompt
 from cluster.ray_cluster import check_cluster_resources, ensure_ray
 from coordinator.request import RequestOutput
-from processors import SamplingParams
 
-POLL_S = 1.0
 _NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
 
 
@@ -45,7 +44,7 @@ def with_engine_name(config: RaysampleConfig) -> RaysampleConfig:
     return config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
 
 
-class Engine:
+class Engine(RequestAPI):
     """Handle on a running raysample engine (a named coordinator actor); any number of callers."""
 
     def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False, name: str | None = None) -> None:
@@ -89,54 +88,30 @@ class Engine:
             raise EngineError(f"no raysample engine named {name!r} in namespace {namespace!r}") from None
         return cls(actor, timeout_s, name=name)
 
-    # ----- requests -----
+    # ----- requests (submit, results and generate come from RequestAPI) -----
 
-    def submit_many(self, prompts: Sequence[Prompt],
-                    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def submit_many(self, prompts: Sequence[PromptInput], sampling_params: Params = None,
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
         """``final_only``: the engine builds and publishes only these requests' final outputs."""
         prompts = [as_prompt(p) for p in prompts]
-        items = list(zip(prompts, params_per_prompt(params, len(prompts)), request_ids or [None] * len(prompts)))
+        items = list(zip(prompts, params_per_prompt(sampling_params, len(prompts)),
+                         request_ids or [None] * len(prompts)))
         return _call(self._actor.add_requests.remote(items, final_only), self.timeout_s)
-
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        return self.submit_many([prompt], params, [request_id])[0]
 
     def abort(self, request_id: str) -> bool:
         return _call(self._actor.abort.remote(request_id), self.timeout_s)
 
     def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
              ) -> list[RequestOutput]:
-        """Outputs since the last poll (waits up to ``timeout_s``); ``finished_only`` skips partial ones."""
         ref = self._actor.poll.remote(list(request_ids), timeout_s, finished_only)
         return _call(ref, timeout_s + self.timeout_s)
 
-    def results(self, request_ids: Sequence[str]) -> dict[str, RequestOutput]:
-        """Block until these requests finish; their final outputs by id."""
-        pending, final = set(request_ids), {}
-        while pending:
-            for out in self.poll(sorted(pending), POLL_S * 10, finished_only=True):
-                if out.finished:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
-        return final
-
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion (blocking); outputs in prompt order."""
-        prompts = as_prompt_list(prompts)
-        ids = self.submit_many(prompts, params, final_only=True)
-        final = self.results(ids)
-        return [final[rid] for rid in ids]
-
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """``async for out in engine.stream(prompt, params)``: each output as the step loop makes it.
-
-        A Ray streaming generator on the coordinator pushes outputs as they are published;
-        leaving the loop early aborts the request, as vLLM does when a stream is dropped.
-        """
+    async def stream(self, prompt: PromptInput, sampling_params: Params = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """A Ray streaming generator on the coordinator pushes outputs as they are published;
+        leaving the loop early aborts the request, as vLLM does when a stream is dropped."""
         loop = asyncio.get_running_loop()
-        request_id = await loop.run_in_executor(None, self.submit, prompt, params)
+        request_id = await loop.run_in_executor(None, self.submit, prompt, sampling_params, request_id)
         finished = False
         try:
             async for ref in self._actor.stream.options(num_returns="streaming").remote(request_id):

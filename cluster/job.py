@@ -48,26 +48,18 @@ class Backend(Protocol):
 class LocalBackend:
     """The in-process engine behind the same calls as the Ray handle (``--local``)."""
 
-    def __init__(self, config: RaysampleConfig) -> None:
+    def __init__(self, config: RaysampleConfig, engine: Any = None) -> None:
+        """``engine``: an already built ``LocalEngine`` for ``config`` (tests share one)."""
         from cluster.local_engine import LocalEngine
 
-        self.engine = LocalEngine(config)
-        self._finished: dict[str, RequestOutput] = {}
+        self.engine = engine if engine is not None else LocalEngine(config)
 
     def submit_many(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
-        ids = request_ids or [None] * len(prompts)
-        return [self.engine.add_request(p, sp, rid, final_only=final_only) for p, sp, rid in zip(prompts, params, ids)]
+        return self.engine.submit_many(prompts, params, request_ids, final_only)
 
     def poll(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = True) -> list[RequestOutput]:
-        wanted = set(request_ids)
-        while True:
-            for out in self.engine.coordinator.take_outputs() + (self.engine.step() if self.engine.has_unfinished() else []):
-                if out.finished:
-                    self._finished[out.request_id] = out
-            ready = [self._finished.pop(rid) for rid in list(wanted) if rid in self._finished]
-            if ready or not self.engine.has_unfinished():
-                return ready
+        return self.engine.poll(request_ids, timeout_s, finished_only)
 
     def stats(self) -> dict[str, Any]:
         m = self.engine.coordinator.metrics

@@ -6,19 +6,20 @@ actors); used by most tests and by single-machine runs.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
-
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import torch
 
 from cluster.audit import check_consistency
 from cluster.config import RaysampleConfig, load_config
-from cluster.prompts import Prompt, as_prompt, as_prompt_list, params_per_prompt
+from cluster.engine_api import POLL_S, RequestAPI
+from cluster.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
 from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
@@ -40,7 +41,9 @@ def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
     return torch.device("cpu")
 
 
-class LocalEngine:
+class LocalEngine(RequestAPI):
+    """The engine in this process: same API and return types as ``Engine``, stepped by its callers."""
+
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
         self.config = load_config(config)
         model_path = self.config.model.resolve_path()
@@ -53,6 +56,7 @@ class LocalEngine:
         num_blocks = min(w.runner.num_blocks for w in self.workers)
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, self.workers[0].runner.block_size)
         logger.info("%s", self.coordinator.kv_summary())
+        self._outputs: dict[str, list[RequestOutput]] = {}  # made by steps, not yet polled
 
     @property
     def tokenizer(self) -> Any:
@@ -86,35 +90,71 @@ class LocalEngine:
             check_consistency(plan.step, results)
         return self.coordinator.process(plan, results)
 
-    def submit(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None = None, final_only: bool = False) -> list[str]:
-        """Queue prompts (one prompt may be text or a token-id list); return their request ids."""
-        prompts = as_prompt_list(prompts)
-        return [self.add_request(p, sp, final_only=final_only)
-                for p, sp in zip(prompts, params_per_prompt(params, len(prompts)))]
+    # ----- the RequestAPI primitives (submit, results and generate come from there) -----
+
+    def submit_many(self, prompts: Sequence[PromptInput], sampling_params: Params = None,
+                    request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
+        prompts = [as_prompt(p) for p in prompts]
+        params = params_per_prompt(sampling_params, len(prompts))
+        return [self.add_request(p, sp, rid, final_only=final_only)
+                for p, sp, rid in zip(prompts, params, request_ids or [None] * len(prompts))]
+
+    def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
+             ) -> list[RequestOutput]:
+        """As ``Engine.poll``, stepping the engine here until one of these requests has an output."""
+        wanted = list(request_ids)
+        deadline = time.monotonic() + timeout_s
+        stepped = False  # step at least once, whatever the timeout
+        while True:
+            self._buffer(self.coordinator.take_outputs())  # finished without a step: errors, aborts
+            ready = []
+            for rid in wanted:
+                outs = self._outputs.get(rid)
+                if not outs:
+                    continue
+                if finished_only:
+                    if outs[-1].finished:
+                        ready.append(outs[-1])
+                        del self._outputs[rid]
+                else:
+                    ready.extend(self._outputs.pop(rid))
+            if ready:
+                return ready
+            known = self.coordinator.requests
+            gone = [rid for rid in wanted if rid not in known or known[rid].finished]
+            if len(gone) == len(wanted):
+                raise KeyError(f"unknown request id(s), or their final outputs were already delivered: {gone}")
+            if stepped and time.monotonic() >= deadline:
+                return []
+            self._buffer(self.step())
+            stepped = True
+
+    def _buffer(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._outputs.setdefault(out.request_id, []).append(out)
+
+    async def stream(self, prompt: PromptInput, sampling_params: Params = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Steps the engine between outputs (in this event loop's thread); leaving early aborts."""
+        request_id = self.submit(prompt, sampling_params, request_id)
+        finished = False
+        try:
+            while not finished:
+                for out in self.poll([request_id], 0.0):
+                    finished = out.finished
+                    yield out
+                await asyncio.sleep(0)
+        finally:
+            if not finished:
+                self.abort(request_id)
 
     def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
-        """Step until these requests finish, yielding their outputs as they change."""
-        wanted = set(request_ids)
-        pending = {rid for rid in wanted if not self.coordinator.requests[rid].finished}
-        for out in self.coordinator.take_outputs():
-            if out.request_id in wanted:
-                yield out
+        """Step until these requests finish, yielding their outputs as they change (synchronous stream)."""
+        self._buffer(self.coordinator.take_outputs())
+        known = self.coordinator.requests
+        pending = {rid for rid in request_ids if rid in self._outputs or (rid in known and not known[rid].finished)}
         while pending:
-            for out in self.step():
-                if out.request_id in wanted:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
-
-    def stream(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput every time one of these requests gains text or finishes."""
-        return self.run(self.submit(prompts, params))
-
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
-        ids = self.submit(prompts, params, final_only=True)
-        final = {out.request_id: out for out in self.run(ids) if out.finished}
-        return [final[rid] for rid in ids]
+            for out in self.poll(sorted(pending), 0.0):
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out

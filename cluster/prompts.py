@@ -8,6 +8,8 @@ from processors import SamplingParams
 
 Prompt = str | list[int]
 PromptInput = Prompt | dict  # vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...} too
+# One SamplingParams (or a dict of its fields) for every prompt, or one per prompt.
+Params = SamplingParams | dict | Sequence[SamplingParams | dict | None] | None
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 FORMS = ('a string, a list of token ids, a {"prompt": ...} or {"prompt_token_ids": ...} dict, '
          "or a list of these")
@@ -36,10 +38,24 @@ def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]
     return [as_prompt(p) for p in prompts]  # type: ignore[union-attr]
 
 
-def params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
+PARAMS_FORMS = "a SamplingParams, a dict of its fields, or a list of these (one per prompt)"
+
+
+def as_params(params: SamplingParams | dict | None) -> SamplingParams | None:
+    """A dict holds vLLM's ``SamplingParams`` fields; anything else is refused, naming what is expected."""
     if params is None or isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
+        return params
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise TypeError(f"sampling_params must be {PARAMS_FORMS}; got {type(params).__name__}")
+
+
+def params_per_prompt(params: Params, n: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, (SamplingParams, dict)):
+        return [as_params(params)] * n
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be {PARAMS_FORMS}; got {type(params).__name__}")
+    params = [as_params(p) for p in params]
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params

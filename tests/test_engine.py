@@ -146,7 +146,8 @@ def test_text_is_right_across_multibyte_tokens(engine):
 
 
 def test_streaming_deltas_add_up(engine):
-    outs = list(engine.stream(["Hello there", "café"], SamplingParams(seed=5, max_tokens=12, ignore_eos=True)))
+    outs = list(engine.run(engine.submit_many(["Hello there", "café"], SamplingParams(seed=5, max_tokens=12,
+                                                                                       ignore_eos=True))))
     for rid in {o.request_id for o in outs}:
         mine = [o for o in outs if o.request_id == rid]
         assert sum(len(o.new_token_ids) for o in mine) == 12
@@ -161,10 +162,10 @@ def test_final_only_requests_give_one_output_equal_to_the_streamed_one(engine):
     params = [SamplingParams(seed=5, max_tokens=12, ignore_eos=True),
               SamplingParams(seed=6, max_tokens=40, stop=[" the"], ignore_eos=True),
               SamplingParams(seed=7, max_tokens=9, n=2, ignore_eos=True)]
-    streamed_ids = engine.submit(prompts, params)
+    streamed_ids = engine.submit_many(prompts, params)
     streamed = list(engine.run(streamed_ids))
     assert len(streamed) > 3 * len(prompts)  # streaming requests still get an output per step
-    ids = engine.submit(prompts, params, final_only=True)
+    ids = engine.submit_many(prompts, params, final_only=True)
     outs = list(engine.run(ids))
     assert len(outs) == len(prompts) and all(o.finished for o in outs)
     final = {o.request_id: o for o in streamed if o.finished}

@@ -108,3 +108,35 @@ def test_unwritable_cache_names_it_and_the_variable(tmp_path):
     assert done.returncode == 2
     assert "cannot write the model cache" in done.stderr and "RAYSAMPLE_CACHE_DIR" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def readme_llm_block() -> str:
+    """The first Python block of the README's "5. The Python handle" section."""
+    section = (ROOT / "README.md").read_text().split("### 5. The Python handle", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_llm_block_on_ray_equals_transformers(reference):
+    """The README's ``LLM`` example, run as written on Ray (2 workers); then greedy chat output
+    through that handle equals transformers ``generate``."""
+    import ray
+
+    tokenizer, prompts, expected = reference
+    source = readme_llm_block()
+    # Keep the engine for the checks below: run the block without its last line (shutdown).
+    assert source.rstrip().endswith("llm.shutdown()")
+    scope: dict = {}
+    try:  # the LLM starts a private Ray instance (address: local)
+        exec(compile(source.rstrip().removesuffix("llm.shutdown()"), "README.md", "exec"), scope)
+        llm, outs, chats, top, bananas = (scope[k] for k in ("llm", "outs", "chats", "top", "bananas"))
+        assert llm.config.cluster.num_workers == 2 and not llm.local
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # text and ids prompts agree
+        assert "Paris" in chats[0].outputs[0].text and chats[1].error is None
+        assert len(top) == 2 and all(len(p) in (3, 4) for p in top) and top[0][next(iter(top[0]))].rank >= 1
+        assert bananas == " banana banana banana"
+        got = llm.chat([list(chat) for chat in CHATS], {"temperature": 0.0, "max_tokens": 24}, use_tqdm=False)
+        for ids, out, want in zip(prompts, got, expected):
+            assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want, tokenizer.decode(ids)
+        llm.shutdown()
+    finally:
+        ray.shutdown()

@@ -24,7 +24,7 @@ from processors import SamplingParams, SamplingType
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
         ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1"),
         ({"min_tokens": 5, "max_tokens": 3}, "min_tokens must be less than or equal to max_tokens=3, got 5"),
-        ({"logprobs": -3}, "logprobs must be non-negative, got -3"),
+        ({"logprobs": -3}, "logprobs must be non-negative or -1, got -3"),
         ({"stop": ["ok", ""]}, "stop must contain only non-empty strings"),
         ({"stop_token_ids": [1, "x"]}, "stop_token_ids must contain only non-negative integers"),
         ({"bad_words": [""]}, "bad_words must contain only non-empty strings"),
