@@ -1,15 +1,20 @@
-"""End-to-end generation throughput: raysample's engine vs transformers ``generate``.
+"""End-to-end generation throughput: raysample's engine vs transformers ``generate`` or vLLM.
 
-Workload: 256 prompts of 8..64 tokens, max_tokens uniform in 16..128,
-ignore_eos, on the "bench" tiny model (Llama architecture, hidden 512,
-4 layers, vocab 8192, random weights) on CPU. raysample runs them through one
-in-process engine with max_num_seqs=64; transformers runs ``generate`` over
-the same prompts in left-padded batches of 64 with the same sampling
-settings (each batch runs to its longest request; only requested tokens
-count). Prints generated tokens/s for both and the ratio.
+Workload (``--model smollm2``, the default): 256 chat requests (varied user
+questions through SmolLM2-135M-Instruct's chat template, 30-60 prompt tokens),
+max_tokens uniform in 16..128, ignore_eos, on the real model (float32, CPU).
+``--model tiny``: 256 random prompts of 8..64 tokens on the "bench" tiny model
+(Llama architecture, hidden 512, 4 layers, vocab 8192, random weights).
+raysample runs them through one in-process engine with max_num_seqs=64;
+transformers runs ``generate`` over the same prompts in left-padded batches of
+64 with the same sampling settings (each batch runs to its longest request;
+only requested tokens count). Prints generated tokens/s for both and the ratio.
+``--breakdown`` adds where a raysample step's time goes (linear layers, the
+rest of the forward, sampling, the coordinator and the rest).
 
-    python bench/e2e.py [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
+    python bench/e2e.py [--model smollm2|tiny] [--requests 256] [--sampling random|greedy] [--dtype float32|bfloat16]
     python bench/e2e.py --spec 3 --sampling greedy [--draft-policy fixed]   # with vs without n-gram spec decode
+        (real model: copy-style and reformatting chat requests, whose outputs overlap their prompts)
     python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python] [--repeats 3]   # vLLM's CPU build instead
     python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
     python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
@@ -38,6 +43,55 @@ from processors import SamplingParams  # noqa: E402
 from workers.tiny import ensure_tiny_model  # noqa: E402
 
 BATCH = 64
+MAX_MODEL_LEN = {"tiny": 256, "smollm2": 1024}
+TOPICS = ["the moon", "volcanoes", "coffee", "the Roman empire", "honey bees", "rainbows", "chess", "bicycles",
+          "the ocean", "jazz", "tea", "glaciers", "owls", "electricity", "bread", "the internet"]
+FORMS = ["Tell me three facts about {}.", "Write a short poem about {}.", "Explain {} to a child.",
+         "What is the history of {}?", "Give me a fun question about {}.", "Describe {} in two sentences.",
+         "Why do people like {}?", "Write a haiku about {}."]
+COPY_TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank every morning.",
+    "Monday: buy milk, eggs and bread. Tuesday: call the bank. Wednesday: water the plants.",
+    "Our office opens at nine, closes at five, and is closed on weekends and public holidays.",
+    "Alice, 34, engineer; Bob, 29, designer; Carol, 41, manager; Dave, 25, intern.",
+]
+
+
+def model_dir_for(name: str, dtype: str) -> Path:
+    if name == "tiny":
+        return ensure_tiny_model("bench")
+    from workers.model_source import gguf_to_transformers, preset_gguf
+
+    return gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), dtype)
+
+
+def chat_workload(model_dir: Path, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Chat requests through the model's template, as users send them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        question = FORMS[i % len(FORMS)].format(TOPICS[(i // len(FORMS)) % len(TOPICS)])
+        jobs.append((chat_ids(tok, question), rng.randint(16, 128)))
+    return jobs
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def overlap_workloads(model_dir: Path) -> dict[str, list[tuple[list[int], int]]]:
+    """Chat requests whose answers repeat their prompts: copying a text, and reformatting a list as JSON."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    copy = [(chat_ids(tok, f"Copy the following text exactly: {COPY_TEXTS[i % 4]} (#{i})"), 64) for i in range(32)]
+    people = [(chat_ids(tok, "Rewrite this list as a JSON array of objects with name and age: "
+                        f"{COPY_TEXTS[3]} Eve, {20 + i}, chef."), 64) for i in range(32)]
+    return {"copy": copy, "list-to-json": people}
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -61,11 +115,13 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
                   batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local",
-                  decode_attention: str = "auto") -> tuple[int, float]:
+                  decode_attention: str = "auto", max_model_len: int = 256,
+                  breakdown: dict | None = None) -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
     with every core, the coordinator in its own actor)."""
     config = {
-        "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": 256, "decode_attention": decode_attention},
+        "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
+                  "decode_attention": decode_attention},
         "scheduler": {"max_num_seqs": batch},
     }
     if spec:
@@ -82,9 +138,12 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
         params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i, **sampling_kwargs(kind))
                   for i, (_, m) in enumerate(jobs)]
+        timers = StepTimers(engine) if breakdown is not None else None
         start = time.perf_counter()
         outputs = engine.generate([p for p, _ in jobs], params)
         elapsed = time.perf_counter() - start
+        if timers is not None:
+            breakdown.update(timers.report(elapsed))
         if stats is not None:
             metrics = engine.stats() if engine_kind == "ray" else None
             stats["acceptance"] = metrics["spec_acceptance"] if metrics else engine.coordinator.metrics.spec_acceptance
@@ -93,6 +152,59 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
         if engine_kind == "ray":
             engine.shutdown()
     return sum(len(o.token_ids) for o in outputs), elapsed
+
+
+class StepTimers:
+    """Where an in-process engine's time goes: wall time inside linear layers, the model forward,
+    the sampler and the coordinator (on CPU every call is synchronous, so wall time is cost)."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        from torch import nn
+
+        self.seconds = {"linear": 0.0, "forward": 0.0, "sampler": 0.0, "coordinator": 0.0}
+        worker = engine.workers[0]
+        self._wrap(worker.runner, "forward", "forward")
+        self._wrap(worker, "sampler", "sampler", call=True)
+        self._wrap(engine.coordinator, "next_plan", "coordinator")
+        self._wrap(engine.coordinator, "process", "coordinator")
+        started: list[float] = []
+        for module in worker.runner.model.modules():
+            if isinstance(module, nn.Linear) or type(module).__name__ == "PrepackedLinear":
+                module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+                module.register_forward_hook(lambda *_: self._add("linear", started.pop()))
+
+    def _add(self, key: str, since: float) -> None:
+        self.seconds[key] += time.perf_counter() - since
+
+    def _wrap(self, owner, name: str, key: str, call: bool = False) -> None:
+        inner = getattr(owner, name)
+        target = inner.__call__ if call else inner
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self._add(key, start)
+
+        if call:  # the sampler is called as an object: wrap it in one that times the call
+            class Timed:
+                def __getattr__(self, attr):
+                    return getattr(inner, attr)
+
+                def __call__(self, *args, **kwargs):
+                    return timed(*args, **kwargs)
+
+            setattr(owner, name, Timed())
+        else:
+            setattr(owner, name, timed)
+
+    def report(self, elapsed: float) -> dict[str, float]:
+        s = self.seconds
+        parts = {"linear layers": s["linear"], "rest of the forward": s["forward"] - s["linear"],
+                 "sampling": s["sampler"], "coordinator": s["coordinator"]}
+        parts["rest (worker plan, detokenize, Python)"] = elapsed - sum(parts.values())
+        return {k: v / elapsed for k, v in parts.items()}
 
 
 def run_transformers(model_dir: Path, jobs, kind: str, dtype: str) -> tuple[int, float]:
@@ -121,7 +233,7 @@ def run_transformers(model_dir: Path, jobs, kind: str, dtype: str) -> tuple[int,
 
 
 def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH,
-             dtype: str = "float32") -> tuple[int, float] | None:
+             dtype: str = "float32", max_model_len: int = 256) -> tuple[int, float] | None:
     import json
     import subprocess
     import tempfile
@@ -133,7 +245,7 @@ def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH,
         return None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model_dir), "prompts": [p for p, _ in jobs], "max_tokens": [m for _, m in jobs],
-                   "sampling": kind, "max_num_seqs": batch, "max_model_len": 256,
+                   "sampling": kind, "max_num_seqs": batch, "max_model_len": max_model_len,
                    "dtype": dtype}, f)
     script = Path(__file__).resolve().parent / "vllm_reference.py"
     run = subprocess.run([python, str(script), f.name], capture_output=True, text=True, cwd=tempfile.gettempdir())
@@ -150,6 +262,9 @@ def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                        help="smollm2: the real chat model (chat workload); tiny: the random bench model")
+    parser.add_argument("--breakdown", action="store_true", help="where raysample's time goes (in-process engine)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--sampling", choices=["random", "greedy"], default="random")
     parser.add_argument("--spec", type=int, default=0, help="also run with n-gram speculative decoding, k drafts")
@@ -164,16 +279,25 @@ def main() -> None:
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="raysample in this process, or on Ray (one worker actor with every core)")
     args = parser.parse_args()
-    model_dir = ensure_tiny_model("bench")
-    jobs = workload(args.requests, 8192)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} requests, "
+    model_dir = model_dir_for(args.model, args.dtype)
+    max_len = MAX_MODEL_LEN[args.model]
+    jobs = workload(args.requests, 8192) if args.model == "tiny" else chat_workload(model_dir, args.requests)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {args.model}; {args.requests} requests, "
           f"{sum(m for _, m in jobs)} tokens requested; sampling={args.sampling}; dtype={args.dtype}")
+    if args.breakdown:
+        parts: dict[str, float] = {}
+        tokens, seconds = run_raysample(model_dir, jobs, args.sampling, args.spec, args.dtype,
+                                        max_model_len=max_len, breakdown=parts)
+        print(f"raysample (local) {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tokens/s; of the time:")
+        for name, share in parts.items():
+            print(f"  {name:<40} {share:6.1%}")
+        return
     if args.against == "torch-attention":
         runs: dict[str, list[float]] = {"native": [], "torch": []}
         for repeat in range(args.repeats):
             for kind in (("native", "torch") if repeat % 2 == 0 else ("torch", "native")):
                 tokens, seconds = run_raysample(model_dir, jobs, args.sampling, args.spec, args.dtype,
-                                                engine_kind=args.engine, decode_attention=kind)
+                                                engine_kind=args.engine, decode_attention=kind, max_model_len=max_len)
                 runs[kind].append(tokens / seconds)
                 print(f"decode attention {kind:>6}: {tokens:>7} tokens in {seconds:6.1f} s = "
                       f"{runs[kind][-1]:7.0f} tokens/s", flush=True)
@@ -183,22 +307,29 @@ def main() -> None:
               f"ratio native / torch: {best['native'] / best['torch']:.2f}x best, {median_ratio:.2f}x median")
         return
     if args.spec:
-        spec_jobs = repetitive_workload(64, 8192)
+        if args.model == "tiny":
+            spec_jobs = repetitive_workload(64, 8192)
+            loads = [("repetitive", spec_jobs, 4), ("repetitive", spec_jobs, 16), ("repetitive", spec_jobs, BATCH),
+                     ("e2e", jobs, BATCH)]
+        else:
+            overlap = overlap_workloads(model_dir)
+            loads = [("copy", overlap["copy"], 16), ("list-to-json", overlap["list-to-json"], 16),
+                     ("chat", jobs[:64], 16)]
         print(f"speculative decoding, n-gram k={args.spec}, draft policy {args.draft_policy}, sampling={args.sampling}: "
-              f"{len(spec_jobs)} repetitive prompts x 128 tokens at 4, 16 and 64 concurrent, then this workload")
-        for name, load, batch in (("repetitive", spec_jobs, 4), ("repetitive", spec_jobs, 16),
-                                  ("repetitive", spec_jobs, BATCH), ("e2e", jobs, BATCH)):
+              + ", ".join(f"{name} ({len(load)} requests at {batch} concurrent)" for name, load, batch in loads))
+        for name, load, batch in loads:
             base_runs, spec_runs, stats = [], [], {}
             for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits both
-                tokens, seconds = run_raysample(model_dir, load, args.sampling, 0, args.dtype, batch=batch)
+                tokens, seconds = run_raysample(model_dir, load, args.sampling, 0, args.dtype, batch=batch,
+                                                max_model_len=max_len)
                 base_runs.append(tokens / seconds)
                 tokens, seconds = run_raysample(model_dir, load, args.sampling, args.spec, args.dtype, stats,
-                                                batch=batch, draft_policy=args.draft_policy)
+                                                batch=batch, draft_policy=args.draft_policy, max_model_len=max_len)
                 spec_runs.append(tokens / seconds)
             base, spec = max(base_runs), max(spec_runs)
             median_ratio = statistics.median(spec_runs) / statistics.median(base_runs)
             accepted = "no drafts" if stats["acceptance"] is None else f"acceptance {stats['acceptance']:.0%}"
-            print(f"{name:>10} max_num_seqs={batch:>3}: best of {args.repeats} without spec {base:6.0f} tokens/s, "
+            print(f"{name:>12} max_num_seqs={batch:>3}: best of {args.repeats} without spec {base:6.0f} tokens/s, "
                   f"with {spec:6.0f} ({accepted}, {stats['proposed']} drafts); ratio spec / no spec: "
                   f"{spec / base:.2f}x best, {median_ratio:.2f}x median", flush=True)
         return
@@ -207,13 +338,14 @@ def main() -> None:
         for repeat in range(args.repeats):  # alternating (and swapping who goes first), so a slow spell hits both
             if repeat % 2:
                 ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype,
-                                                    engine_kind=args.engine)
-            reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling, dtype=args.dtype)
+                                                    engine_kind=args.engine, max_model_len=max_len)
+            reference = run_vllm(args.vllm_python, model_dir, jobs, args.sampling, dtype=args.dtype,
+                                 max_model_len=max_len)
             if reference is None:
                 return
             if not repeat % 2:
                 ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype,
-                                                    engine_kind=args.engine)
+                                                    engine_kind=args.engine, max_model_len=max_len)
             ref_tokens, ref_s = reference
             ours_runs.append(ours_tokens / ours_s)
             ref_runs.append(ref_tokens / ref_s)
@@ -224,7 +356,8 @@ def main() -> None:
         print(f"best of {args.repeats}: raysample {ours:.0f}, vLLM {ref:.0f} tokens/s; "
               f"ratio raysample / vLLM: {ours / ref:.2f}x best, {median_ratio:.2f}x median")
         return
-    ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype, engine_kind=args.engine)
+    ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype, engine_kind=args.engine,
+                                        max_model_len=max_len)
     ref_tokens, ref_s = run_transformers(model_dir, jobs, args.sampling, args.dtype)
     ours, ref = ours_tokens / ours_s, ref_tokens / ref_s
     print(f"raysample engine       {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")

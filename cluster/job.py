@@ -18,9 +18,11 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -223,10 +225,27 @@ class GenerateFormat:
 
     def __init__(self, config: RaysampleConfig) -> None:
         self.config = config
+        self._tokenizer: Future | None = None
+
+    def prefetch_tokenizer(self) -> None:
+        """Load the tokenizer (chat templates, run-batch bodies) while the engine starts, not after."""
+        if self._tokenizer is None:
+            self._tokenizer = Future()
+            threading.Thread(target=self._load_tokenizer, name="raysample-tokenizer", daemon=True).start()
+
+    def _load_tokenizer(self) -> None:
+        assert self._tokenizer is not None
+        try:
+            model = self.config.model
+            self._tokenizer.set_result(load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code))
+        except BaseException as exc:  # noqa: BLE001 - re-raised where the tokenizer is needed
+            self._tokenizer.set_exception(exc)
 
     def tokenizer(self) -> Any:
-        model = self.config.model
-        return load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
+        if self._tokenizer is None:
+            model = self.config.model
+            return load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
+        return self._tokenizer.result()
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer)
@@ -546,6 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lock.truncate(0)
     resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
     print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
+    line_format.prefetch_tokenizer()
     ray_up = time.monotonic()
     try:
         if args.local:

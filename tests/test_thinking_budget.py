@@ -104,3 +104,41 @@ class TestHolderRules:
         assert holder.forced_token(state, num_drafts=1) is None
         state.output.extend([7, 201])
         assert holder.forced_token(state) == 202
+
+
+class TestTextMarker:
+    """A marker matched in the decoded text: wherever its last character lands, however it is split."""
+
+    VOCAB = {1: "Hi", 2: " <", 3: "<", 4: "think", 5: ">", 6: ">\n", 7: " ", 8: "<think>", 9: "x", 10: "</"}
+
+    def marker(self, text="<think>"):
+        from processors.markers import TextMarker
+
+        return TextMarker(text, lambda ids: "".join(self.VOCAB[i] for i in ids))
+
+    def test_every_spelling_is_found_at_the_token_that_completes_it(self):
+        m = self.marker()
+        for tokens, end in (([1, 2, 4, 5], 4), ([1, 3, 4, 5, 9], 4), ([8], 1), ([1, 7, 3, 4, 6, 9], 5)):
+            assert m.last_end(tokens, 0, len(tokens)) == end, tokens
+            assert m.first_end(tokens, 0) == end, tokens
+
+    def test_last_and_first_of_several_and_ranges(self):
+        m = self.marker()
+        tokens = [8, 9, 2, 4, 5, 9, 8]
+        assert m.last_end(tokens, 0, len(tokens)) == 7
+        assert m.last_end(tokens, 0, 6) == 5 and m.last_end(tokens, 0, 4) == 1
+        assert m.first_end(tokens, 1) == 5 and m.first_end(tokens, 5) == 7
+        assert m.last_end(tokens, 1, 4) == -1  # the occurrence ending at 5 is outside (1, 4]
+        assert m.first_end([9, 9, 3, 4], 0) == -1
+
+    def test_holder_with_text_markers_forces_the_given_ids(self):
+        start, end = self.marker(), self.marker("</think>")
+        holder = ThinkingBudgetStateHolder(start, end, 4, forced_end=[10, 4, 5])
+        state = _RowState(2, [1, 2, 4, 5], [9, 9])
+        assert holder.forced_token(state) == 10  # two thinking tokens after " <think>": the end starts
+        state.output += [10, 4]
+        assert holder.forced_token(state) == 5
+        state.output += [5, 9]
+        assert holder.forced_token(state) is None  # closed
+        with pytest.raises(ValueError, match="needs the token ids to force"):
+            ThinkingBudgetStateHolder(start, end, 4)
