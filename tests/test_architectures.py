@@ -131,3 +131,26 @@ def test_budget_too_small_for_one_sequence_names_the_numbers():
     with pytest.raises(ValueError, match=r"holds 3 blocks of 4 tokens .* max_model_len=128 needs 32"):
         ModelRunner(path, "cpu", "float32", max_model_len=128, block_size=4,
                     kv_cache_memory=3 * 2 * 2 * 4 * 2 * 16 * 4)
+
+
+def test_the_probe_runs_once_per_model_code_and_layout(tmp_path, monkeypatch):
+    """A worker skips the seconds-long probe when this exact model, code and layout passed it on
+    this host; anything that could change its outcome probes again."""
+    from workers import model_support
+
+    monkeypatch.setenv("RAYSAMPLE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = model_support.verify_against_eager
+    monkeypatch.setattr(model_support, "verify_against_eager", lambda runner: calls.append(1) or real(runner))
+    path = build_arch_model("llama")
+
+    def load(**kwargs):
+        return ModelRunner(path, "cpu", "float32", max_model_len=64, kv_cache_memory=1 << 20, **kwargs)
+
+    load(block_size=4)
+    load(block_size=4)
+    assert len(calls) == 1 and len(list((tmp_path / "cache" / "probes").iterdir())) == 1
+    load(block_size=8)  # another layout
+    load(block_size=4, decode_attention="torch")  # another attention path
+    load(block_size=4, trust_remote_code=True)  # remote code may change: never cached
+    assert len(calls) == 4

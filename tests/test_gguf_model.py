@@ -140,3 +140,34 @@ def test_readme_llm_block_on_ray_equals_transformers(reference):
         llm.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_two_conversions_at_once_publish_one_complete_directory(tmp_path, monkeypatch):
+    """Workers that find no cached conversion all convert, each into a scratch directory of its own;
+    the first rename publishes, the others see the complete directory and drop their copy."""
+    import threading
+
+    from workers import model_source
+
+    monkeypatch.setenv("RAYSAMPLE_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    both_converting = threading.Barrier(2, timeout=30)
+
+    def convert(path, out, stored):
+        (out / "config.json").write_text(f'{{"by": "{threading.current_thread().name}"}}')
+        both_converting.wait()  # both scratch directories exist before either publishes
+
+    monkeypatch.setattr(model_source, "check_gguf", lambda path: None)
+    monkeypatch.setattr(model_source, "_convert", convert)
+    results: dict[str, Path] = {}
+    threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, gguf_to_transformers(fake, "float32")),
+                                name=n) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(results) == {"a", "b"} and results["a"] == results["b"]
+    target = results["a"]
+    assert (target / ".complete").is_file() and (target / "config.json").is_file()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no scratch directory left behind

@@ -19,7 +19,7 @@ import torch
 from workers import native_attention
 from workers.cpu_linear import prepack_available, prepack_linears
 from workers.decode_layout import block_major_layout
-from workers.model_support import check_model_config, verify_against_eager
+from workers.model_support import check_model_config, verify_once
 from workers.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
@@ -136,7 +136,7 @@ class ModelRunner:
                     block_size, self.num_blocks * per_block / 2**20, self.device,
                     "native CPU kernel" if self.native_decode else "torch")
         if verify:
-            verify_against_eager(self)
+            verify_once(self, model_path, trust_remote_code)
         # After the check: prepacked linears are exact to rounding, and the check compares attention.
         if prepack_cpu_weights and prepack_available(self.device, self.dtype):
             prepack_linears(self.model)

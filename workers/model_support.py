@@ -10,6 +10,8 @@ what is wrong; nothing is served wrongly.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +64,52 @@ def _probe_tokens(runner: ModelRunner) -> list[int]:
     length = max(2, min(3 * runner.block_size + 5, runner.max_model_len - 1))
     generator = torch.Generator().manual_seed(1234)
     return torch.randint(0, runner.vocab_size, (length,), generator=generator).tolist()
+
+
+_PROBED_SOURCES = ("model_runner.py", "model_support.py", "paged_attention.py", "native_attention.py",
+                   "decode_layout.py", "native/paged_decode.cpp")
+
+
+def probe_key(runner: ModelRunner, model_path: str | Path, trust_remote_code: bool) -> str | None:
+    """What decides the probe's outcome: the model's files, the libraries, the runner's code and the
+    layout. The same key passed before means the same computation passes again; None: do not cache
+    (a hub id, or remote code that may change)."""
+    import transformers
+
+    path = Path(model_path)
+    if trust_remote_code or not (path / "config.json").is_file():
+        return None
+    digest = hashlib.sha256()
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    here = Path(__file__).resolve().parent
+    for name in _PROBED_SOURCES:
+        source = here / name
+        digest.update(source.read_bytes() if source.is_file() else b"-")
+    layout = (torch.__version__, transformers.__version__, runner.device.type, str(runner.dtype), runner.block_size,
+              runner.max_model_len, runner.native_decode, len(_probe_tokens(runner)))
+    digest.update(repr(layout).encode())
+    return digest.hexdigest()[:32]
+
+
+def verify_once(runner: ModelRunner, model_path: str | Path, trust_remote_code: bool = False) -> None:
+    """``verify_against_eager``, skipped when this exact model, code and layout passed it before on this
+    host (a marker in the raysample cache); each worker otherwise spends seconds on it at every start."""
+    from workers.model_source import cache_root
+
+    key = probe_key(runner, model_path, trust_remote_code)
+    marker = cache_root() / "probes" / key if key is not None else None
+    if marker is not None and marker.is_file():
+        return
+    verify_against_eager(runner)
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{type(runner.model).__name__} passed the paged-attention probe\n")
+        except OSError:
+            pass  # an unwritable cache only means probing again next time
 
 
 @torch.inference_mode()
