@@ -49,11 +49,15 @@ TOPICS = ["the moon", "volcanoes", "coffee", "the Roman empire", "honey bees", "
 FORMS = ["Tell me three facts about {}.", "Write a short poem about {}.", "Explain {} to a child.",
          "What is the history of {}?", "Give me a fun question about {}.", "Describe {} in two sentences.",
          "Why do people like {}?", "Write a haiku about {}."]
-COPY_TEXTS = [
-    "The quick brown fox jumps over the lazy dog near the river bank every morning.",
-    "Monday: buy milk, eggs and bread. Tuesday: call the bank. Wednesday: water the plants.",
-    "Our office opens at nine, closes at five, and is closed on weekends and public holidays.",
-    "Alice, 34, engineer; Bob, 29, designer; Carol, 41, manager; Dave, 25, intern.",
+COPY_TEXTS = [  # long enough that a 64-token answer is mostly the copy
+    "The quick brown fox jumps over the lazy dog near the river bank every morning, while the old farmer watches "
+    "from his porch and drinks his coffee, and the children walk slowly to the small school at the end of the road.",
+    "Monday: buy milk, eggs and bread. Tuesday: call the bank about the loan. Wednesday: water the plants in the "
+    "garden. Thursday: pick up the dry cleaning. Friday: dinner with Sam and Alex at the new Italian place.",
+    "Our office opens at nine in the morning and closes at five in the afternoon. It is closed on weekends and on "
+    "public holidays. Visitors must sign in at the front desk and wear a badge at all times inside the building.",
+    "Alice, 34, engineer; Bob, 29, designer; Carol, 41, manager; Dave, 25, intern; Erin, 38, accountant; Frank, "
+    "45, lawyer; Grace, 31, nurse; Henry, 27, teacher; Irene, 52, doctor; Jack, 36, pilot.",
 ]
 
 

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.config import RaysampleConfig, load_config
 from cluster.engine_api import POLL_S, RequestAPI
 from cluster.prompts import Params, PromptInput, as_prompt, params_per_prompt
-from cluster.ray_cluster import check_cluster_resources, ensure_ray
+from cluster.ray_cluster import check_cluster_resources, create_worker_placement, ensure_ray, launch_worker
 from coordinator.request import RequestOutput
 
 _NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
@@ -34,6 +34,21 @@ def _call(ref: Any, timeout_s: float | None) -> Any:
         raise EngineError(f"the raysample coordinator is gone: {exc}") from None
     except ray.exceptions.GetTimeoutError:
         raise EngineError(f"the raysample coordinator did not answer within {timeout_s}s") from None
+
+
+def _engine_exists(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
+
+
+def _release(placement: Any, workers: list[Any]) -> None:
+    """Workers and placement of an engine that did not start (its coordinator owns them once it has)."""
+    for worker in workers:
+        ray.kill(worker)
+    ray.util.remove_placement_group(placement)
 
 
 def with_engine_name(config: RaysampleConfig) -> RaysampleConfig:
@@ -62,18 +77,31 @@ class Engine(RequestAPI):
         ensure_ray(config)
         check_cluster_resources(config)
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
+        if _engine_exists(name, namespace):
+            raise EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one "
+                              f"another name (--job-name / cluster.coordinator_name) or attach to that one "
+                              f"with Engine.connect({name!r})")
+        # The workers start loading the model now, while the coordinator's process starts.
+        placement = create_worker_placement(config, config.cluster.call_timeout_s)
+        workers = [launch_worker(config, placement, i) for i in range(config.cluster.num_workers)]
         # The coordinator lives on this driver's node: losing another node never takes it down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         try:
             actor = CoordinatorActor.options(
                 name=name, namespace=namespace, num_cpus=0, scheduling_strategy=here,
-            ).remote(config.model_dump(by_alias=True))
+            ).remote(config.model_dump(by_alias=True), placement, workers)
         except _NAME_TAKEN:
+            _release(placement, workers)
             raise EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one "
                               f"another name (--job-name / cluster.coordinator_name) or attach to that one "
                               f"with Engine.connect({name!r})") from None
         # Model loading on every worker happens inside the constructor.
-        _call(actor.ready.remote(), config.cluster.startup_timeout_s + config.cluster.call_timeout_s)
+        try:
+            _call(actor.ready.remote(), config.cluster.startup_timeout_s + config.cluster.call_timeout_s)
+        except BaseException:
+            ray.kill(actor)
+            _release(placement, workers)
+            raise
         return cls(actor, config.cluster.call_timeout_s, owner=True, name=name)
 
     @classmethod

@@ -15,16 +15,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.audit import ConsistencyError, check_consistency
 from cluster.config import load_config
 from cluster.ray_metrics import EngineRayMetrics
-from cluster.ray_cluster import create_worker_placement
-from coordinator.coordinator import coordinator_from_config
+from cluster.ray_cluster import create_worker_placement, launch_worker
+from coordinator.coordinator import coordinator_from_config, coordinator_inputs
 from workers.wire import StepPlan, StepResult
 from coordinator.request import RequestOutput
 from processors import SamplingParams
@@ -32,6 +32,20 @@ from processors import SamplingParams
 logger = logging.getLogger(__name__)
 
 _WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+
+
+def _in_background(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` on a daemon thread; its result (or exception) in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by future.result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="raysample-coordinator-inputs", daemon=True).start()
+    return future
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -47,15 +61,21 @@ class EngineCore:
     # (``_has_spare_core``); bench/step_overhead.py sets it to measure what the overlap saves.
     overlap_outputs: bool | None = None
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], placement: Any = None, workers: list[Any] | None = None) -> None:
+        """``placement`` / ``workers``: already launched by the driver (``Engine.from_config`` does, so the
+        workers load while this process starts); else this process launches them."""
         self.config = load_config(config)
         self.timeout_s = self.config.cluster.call_timeout_s
         model_path = self.config.model.resolve_path()
-        self.placement = create_worker_placement(self.config, self.timeout_s)
-        self.workers, (num_blocks, block_size) = self._start_workers()
+        # The tokenizer and model facts load while the workers load the weights.
+        inputs = _in_background(coordinator_inputs, self.config, model_path)
+        self.placement = placement if placement is not None else create_worker_placement(self.config, self.timeout_s)
+        launched = dict(enumerate(workers)) if workers is not None else {
+            i: self._new_worker(i) for i in range(self.config.cluster.num_workers)}
+        self.workers, (num_blocks, block_size) = self._start_workers(launched)
         self.kv_shape = (num_blocks, block_size)
         self.replacements = 0
-        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size)
+        self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size, inputs.result())
         self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
                                             self.config.model.display_name())
         logger.info("%s", self.coordinator.kv_summary())
@@ -75,9 +95,8 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="raysample-step-loop", daemon=True)
         self._thread.start()
 
-    def _start_workers(self) -> tuple[dict[int, Any], tuple[int, int]]:
-        """Workers on their placement bundles, and the KV blocks every one of them holds."""
-        workers = {i: self._new_worker(i) for i in range(self.config.cluster.num_workers)}
+    def _start_workers(self, workers: dict[int, Any]) -> tuple[dict[int, Any], tuple[int, int]]:
+        """The launched workers once loaded, and the KV blocks every one of them holds."""
         infos = ray.get([w.info.remote() for w in workers.values()], timeout=self.config.cluster.startup_timeout_s)
         logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
         sizes = {i.block_size for i in infos}
@@ -103,14 +122,7 @@ class EngineCore:
         return usable_cores() - local_workers * threads_for_share(cluster.cpus_per_worker) >= 1
 
     def _new_worker(self, index: int) -> Any:
-        from cluster.actors import WorkerActor
-
-        cluster = self.config.cluster
-        return WorkerActor.options(
-            num_cpus=cluster.cpus_per_worker,
-            num_gpus=cluster.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index),
-        ).remote(index, self.config.model_dump(by_alias=True), self.config.model.resolve_path())
+        return launch_worker(self.config, self.placement, index)
 
     def _replace(self, gone: list[int]) -> dict[int, Any]:
         """New workers for dead or hung ones, on the same bundles, while the budget lasts."""

@@ -54,6 +54,20 @@ def check_cluster_resources(config: RaysampleConfig) -> None:
                 f"cluster.{'gpus' if resource == 'GPU' else 'cpus'}_per_worker)")
 
 
+def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int) -> Any:
+    """Start worker ``index`` on its bundle; it loads the model in its constructor (not awaited here)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.actors import WorkerActor
+
+    cluster = config.cluster
+    return WorkerActor.options(
+        num_cpus=cluster.cpus_per_worker,
+        num_gpus=cluster.gpus_per_worker,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index),
+    ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path())
+
+
 def create_worker_placement(config: RaysampleConfig, timeout_s: float) -> PlacementGroup:
     """One bundle per worker, with the config's strategy; fails clearly if it cannot be placed."""
     group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy)

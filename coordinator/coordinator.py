@@ -921,14 +921,20 @@ def _is_request_level(spec: Any) -> bool:
     return processor == "processors.request_level:RequestLevelAdapter" or processor is RequestLevelAdapter
 
 
-def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block_size: int) -> Coordinator:
-    """Build from a ``RaysampleConfig`` (cluster.config) and the KV blocks each worker holds: no weights."""
+def coordinator_inputs(config: Any, model_path: str) -> tuple[Any, ModelInfo]:
+    """The tokenizer and the model's facts: what the coordinator loads, ready before the workers are."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or model_path, trust_remote_code=config.model.trust_remote_code
     )
-    model = ModelInfo.load(model_path, config.model.max_model_len, tokenizer, config.model.trust_remote_code)
+    return tokenizer, ModelInfo.load(model_path, config.model.max_model_len, tokenizer, config.model.trust_remote_code)
+
+
+def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block_size: int,
+                            inputs: tuple[Any, ModelInfo] | None = None) -> Coordinator:
+    """Build from a ``RaysampleConfig`` (cluster.config) and the KV blocks each worker holds: no weights."""
+    tokenizer, model = inputs if inputs is not None else coordinator_inputs(config, model_path)
     return Coordinator(
         tokenizer,
         model,
