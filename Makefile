@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The main job on the embedded default: tiny model, 2 CPU workers on a private Ray instance.
+# The main job on the embedded default: the real chat model (SmolLM2-135M-Instruct), 2 CPU workers on a private Ray instance.
 run: $(STAMP)
 	$(VENV)/bin/raysample generate --config configs/default.yaml --input examples/prompts.jsonl \
 		--output results/default.jsonl --overwrite --show 5

@@ -15,7 +15,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.config import RaysampleConfig, load_config
 from cluster.engine_api import POLL_S, RequestAPI
 from cluster.prompts import Params, PromptInput, as_prompt, params_per_prompt
-from cluster.ray_cluster import check_cluster_resources, create_worker_placement, ensure_ray, launch_worker
+from cluster.ray_cluster import (check_cluster_resources, create_worker_placement, ensure_ray, launch_worker,
+                                 wait_for_placement)
 from coordinator.request import RequestOutput
 
 _NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
@@ -82,8 +83,13 @@ class Engine(RequestAPI):
                               f"another name (--job-name / cluster.coordinator_name) or attach to that one "
                               f"with Engine.connect({name!r})")
         # The workers start loading the model now, while the coordinator's process starts.
-        placement = create_worker_placement(config, config.cluster.call_timeout_s)
+        placement = create_worker_placement(config, config.cluster.call_timeout_s, wait=False)
         workers = [launch_worker(config, placement, i) for i in range(config.cluster.num_workers)]
+        try:
+            wait_for_placement(placement, config, config.cluster.call_timeout_s)
+        except RuntimeError as exc:
+            _release(placement, workers)
+            raise EngineError(str(exc)) from None
         # The coordinator lives on this driver's node: losing another node never takes it down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         try:

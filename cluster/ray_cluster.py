@@ -68,9 +68,18 @@ def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int
     ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path())
 
 
-def create_worker_placement(config: RaysampleConfig, timeout_s: float) -> PlacementGroup:
-    """One bundle per worker, with the config's strategy; fails clearly if it cannot be placed."""
+def create_worker_placement(config: RaysampleConfig, timeout_s: float, wait: bool = True) -> PlacementGroup:
+    """One bundle per worker, with the config's strategy; fails clearly if it cannot be placed.
+
+    ``wait=False``: return at once (actors on it start when it is placed); call ``wait_for_placement``.
+    """
     group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy)
+    if wait:
+        wait_for_placement(group, config, timeout_s)
+    return group
+
+
+def wait_for_placement(group: PlacementGroup, config: RaysampleConfig, timeout_s: float) -> None:
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -80,4 +89,3 @@ def create_worker_placement(config: RaysampleConfig, timeout_s: float) -> Placem
             f"({config.cluster.placement_strategy}) within {timeout_s:.0f}s; cluster resources: "
             f"{ray.cluster_resources()}"
         ) from None
-    return group
