@@ -143,8 +143,8 @@ def test_ctrl_c_stops_cleanly_and_says_rerunning_resumes(tmp_path):
     config = tiny_job_config()
     config["scheduler"]["max_num_seqs"] = 2
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    total = 200  # enough that the signal lands mid-run however fast the engine is
-    lines = [json.dumps({"id": i, "prompt": f"request {i}", "sampling_params": {"seed": i, "max_tokens": 16}})
+    total = 100  # enough that the signal lands mid-run however fast the engine is (two rows at a time)
+    lines = [json.dumps({"id": i, "prompt": f"request {i}", "sampling_params": {"seed": i, "max_tokens": 12}})
              for i in range(total)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
