@@ -19,6 +19,35 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SimulateSettings(_Section):
+    """A worker that loads no weights and sleeps for a modelled GPU step time (``workers.simulated_runner``):
+    ``preset`` (a roofline, e.g. ``llama-8b-h100``) or ``fixed_ms`` + ``per_token_ms``. The model source
+    (usually ``tiny``) gives the tokenizer and vocabulary; logits are a hash of each row's last token."""
+
+    preset: str | None = None
+    fixed_ms: float | None = Field(default=None, ge=0.0)
+    per_token_ms: float | None = Field(default=None, ge=0.0)
+    num_blocks: int | None = Field(default=None, ge=1)  # KV blocks a worker claims (none are allocated)
+
+    @model_validator(mode="after")
+    def _one_timing(self) -> SimulateSettings:
+        from workers.simulated_runner import PRESETS
+
+        explicit = self.fixed_ms is not None or self.per_token_ms is not None
+        if (self.preset is None) == (not explicit):
+            raise ValueError("model.simulate needs preset, or fixed_ms and per_token_ms, not both")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown simulate preset {self.preset!r}; presets: {', '.join(sorted(PRESETS))}")
+        return self
+
+    def compute_model(self) -> Any:
+        from workers.simulated_runner import PRESETS, ComputeModel
+
+        if self.preset is not None:
+            return PRESETS[self.preset]
+        return ComputeModel((self.fixed_ms or 0.0) / 1e3, (self.per_token_ms or 0.0) / 1e3)
+
+
 class ModelSettings(_Section):
     """Exactly one source: ``path`` (a transformers directory, a hub id, or a ``.gguf`` file;
     a directory plus ``gguf_file`` names a GGUF inside it), ``preset`` (a GGUF inside an
@@ -41,6 +70,8 @@ class ModelSettings(_Section):
     # batched torch products over whole KV blocks (any device). "auto": native on CPU with
     # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # Benchmarks and capacity planning: no weights, a modelled step time (see SimulateSettings).
+    simulate: SimulateSettings | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSettings:

@@ -81,6 +81,27 @@ def start(name: str, **overrides) -> Engine:
     return Engine.from_config(base_config(cluster={"coordinator_name": name, **overrides.pop("cluster", {})}, **overrides))
 
 
+SIMULATED = {"simulate": {"fixed_ms": 2.0, "per_token_ms": 0.02}}
+
+
+@pytest.fixture(scope="module")
+def simulated_reference():
+    engine = LocalEngine(base_config(model=SIMULATED, cluster={"num_workers": 1}, scheduler={"consistency_check_every": 0}))
+    return [o.token_ids for o in engine.generate(PROMPTS, workload())]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_simulated_workers_on_actors_match_the_in_process_engine(ray_cluster, simulated_reference, workers):
+    """Workers that sleep a modelled GPU step instead of computing (model.simulate), through the real
+    sampler, processors, spec decode and audit: the tokens are the in-process engine's."""
+    engine = start(f"simulated-{workers}", model=SIMULATED, cluster={"num_workers": workers})
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, workload())] == simulated_reference
+        assert engine.stats()["workers_alive"] == workers
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize(("workers", "tight", "compiled"), [(4, False, True), (2, True, "auto")])
 def test_workers_match_in_process_engine(ray_cluster, in_process_reference, workers, tight, compiled):
     """Tight: 8 blocks of 8 tokens per worker (one sequence of max_model_len=64, every request fits

@@ -40,7 +40,7 @@ class Worker:
     @classmethod
     def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
         """Build from a ``RaysampleConfig`` (cluster.config)."""
-        runner = ModelRunner(
+        runner = simulated_runner(config, model_path, device) if config.model.simulate is not None else ModelRunner(
             model_path,
             device,
             config.model.dtype,
@@ -121,3 +121,19 @@ class Worker:
             result.processor_digests = self.sampler.state_digests()
         result.compute_s = time.perf_counter() - start_time
         return result
+
+
+def simulated_runner(config: Any, model_path: str, device: torch.device | str) -> Any:
+    """The config's ``model.simulate`` runner: the source model's vocabulary and length, no weights."""
+    from transformers import AutoConfig
+
+    from workers.simulated_runner import SimulatedRunner
+
+    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    limit = getattr(model_config, "max_position_embeddings", None) or config.model.max_model_len
+    max_model_len = min(config.model.max_model_len or limit, limit)
+    block_size = config.cache.block_size or 16
+    simulate = config.model.simulate
+    blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)
+    return SimulatedRunner(simulate.compute_model(), model_config.vocab_size, max_model_len, blocks, block_size,
+                           device)
