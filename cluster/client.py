@@ -45,6 +45,12 @@ def _engine_exists(name: str, namespace: str) -> bool:
     return True
 
 
+def _name_taken(name: str, namespace: str) -> EngineError:
+    return EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one another "
+                       f"name (--job-name / cluster.coordinator_name) or attach to that one with "
+                       f"Engine.connect({name!r})")
+
+
 def _release(placement: Any, workers: list[Any]) -> None:
     """Workers and placement of an engine that did not start (its coordinator owns them once it has)."""
     for worker in workers:
@@ -79,9 +85,7 @@ class Engine(RequestAPI):
         check_cluster_resources(config)
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         if _engine_exists(name, namespace):
-            raise EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one "
-                              f"another name (--job-name / cluster.coordinator_name) or attach to that one "
-                              f"with Engine.connect({name!r})")
+            raise _name_taken(name, namespace)
         # The workers start loading the model now, while the coordinator's process starts.
         placement = create_worker_placement(config, config.cluster.call_timeout_s, wait=False)
         workers = [launch_worker(config, placement, i) for i in range(config.cluster.num_workers)]
@@ -96,11 +100,9 @@ class Engine(RequestAPI):
             actor = CoordinatorActor.options(
                 name=name, namespace=namespace, num_cpus=0, scheduling_strategy=here,
             ).remote(config.model_dump(by_alias=True), placement, workers)
-        except _NAME_TAKEN:
+        except _NAME_TAKEN:  # started by another driver since the check above
             _release(placement, workers)
-            raise EngineError(f"an engine named {name!r} already runs in namespace {namespace!r}; give this one "
-                              f"another name (--job-name / cluster.coordinator_name) or attach to that one "
-                              f"with Engine.connect({name!r})") from None
+            raise _name_taken(name, namespace) from None
         # Model loading on every worker happens inside the constructor.
         try:
             _call(actor.ready.remote(), config.cluster.startup_timeout_s + config.cluster.call_timeout_s)

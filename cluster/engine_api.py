@@ -9,6 +9,7 @@ async ``stream``, and gets the rest from here: ``submit``, ``results`` and a
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -18,23 +19,27 @@ from coordinator.request import RequestOutput
 POLL_S = 1.0
 
 
-class RequestAPI:
+class RequestAPI(ABC):
     # ----- primitives -----
 
+    @abstractmethod
     def submit_many(self, prompts: Sequence[PromptInput], sampling_params: Params = None,
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
         """Queue prompts; their request ids. ``final_only``: only final outputs are built (vLLM's FINAL_ONLY)."""
         raise NotImplementedError
 
+    @abstractmethod
     def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
              ) -> list[RequestOutput]:
         """Outputs of these requests since the last poll (waits up to ``timeout_s``);
         ``finished_only`` skips intermediate ones."""
         raise NotImplementedError
 
+    @abstractmethod
     def abort(self, request_id: str) -> bool:
         raise NotImplementedError
 
+    @abstractmethod
     def stream(self, prompt: PromptInput, sampling_params: Params = None,
                request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """``async for out in engine.stream(...)``: each output as it is made; leaving early aborts."""
@@ -70,6 +75,24 @@ class RequestAPI:
         with ProgressBar(len(ids), use_tqdm) as bar:
             final = self.results(ids, bar.finished)
         return [final[rid] for rid in ids]
+
+
+def take_ready(outputs: dict[str, list[RequestOutput]], wanted: Sequence[str], finished_only: bool
+               ) -> list[RequestOutput]:
+    """Remove and return the buffered outputs of ``wanted`` (only final ones if ``finished_only``):
+    what a poll delivers, on Ray and in process alike."""
+    ready: list[RequestOutput] = []
+    for rid in wanted:
+        outs = outputs.get(rid)
+        if not outs:
+            continue
+        if finished_only:
+            if outs[-1].finished:
+                ready.append(outs[-1])
+                del outputs[rid]
+        else:
+            ready.extend(outputs.pop(rid))
+    return ready
 
 
 class ProgressBar:

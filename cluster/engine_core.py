@@ -15,13 +15,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import ray
 
 from cluster.audit import ConsistencyError, check_consistency
+from cluster.background import in_background
 from cluster.config import load_config
+from cluster.engine_api import take_ready
 from cluster.ray_metrics import EngineRayMetrics
 from cluster.ray_cluster import create_worker_placement, launch_worker
 from coordinator.coordinator import coordinator_from_config, coordinator_inputs
@@ -32,20 +33,6 @@ from processors import SamplingParams
 logger = logging.getLogger(__name__)
 
 _WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
-
-
-def _in_background(fn: Any, *args: Any) -> Future:
-    """``fn(*args)`` on a daemon thread; its result (or exception) in the future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by future.result()
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="raysample-coordinator-inputs", daemon=True).start()
-    return future
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -68,7 +55,7 @@ class EngineCore:
         self.timeout_s = self.config.cluster.call_timeout_s
         model_path = self.config.model.resolve_path()
         # The tokenizer and model facts load while the workers load the weights.
-        inputs = _in_background(coordinator_inputs, self.config, model_path)
+        inputs = in_background(coordinator_inputs, self.config, model_path, name="raysample-coordinator-inputs")
         self.placement = placement if placement is not None else create_worker_placement(self.config, self.timeout_s)
         launched = dict(enumerate(workers)) if workers is not None else {
             i: self._new_worker(i) for i in range(self.config.cluster.num_workers)}
@@ -238,17 +225,7 @@ class EngineCore:
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while True:
-                ready = []
-                for rid in wanted:
-                    outs = self.outputs.get(rid)
-                    if not outs:
-                        continue
-                    if finished_only:
-                        if outs[-1].finished:
-                            ready.append(outs[-1])
-                            del self.outputs[rid]
-                    else:
-                        ready.extend(self.outputs.pop(rid))
+                ready = take_ready(self.outputs, wanted, finished_only)
                 if ready:
                     return ready
                 known = self.coordinator.requests

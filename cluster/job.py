@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from cluster.background import in_background
 from cluster.config import ConfigError, RaysampleConfig, load_config
 from cluster.chat import load_tokenizer, render_chat
 from cluster.job_paths import JobPathError, check_job_paths
@@ -230,22 +230,14 @@ class GenerateFormat:
     def prefetch_tokenizer(self) -> None:
         """Load the tokenizer (chat templates, run-batch bodies) while the engine starts, not after."""
         if self._tokenizer is None:
-            self._tokenizer = Future()
-            threading.Thread(target=self._load_tokenizer, name="raysample-tokenizer", daemon=True).start()
+            self._tokenizer = in_background(self._load_tokenizer, name="raysample-tokenizer")
 
-    def _load_tokenizer(self) -> None:
-        assert self._tokenizer is not None
-        try:
-            model = self.config.model
-            self._tokenizer.set_result(load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code))
-        except BaseException as exc:  # noqa: BLE001 - re-raised where the tokenizer is needed
-            self._tokenizer.set_exception(exc)
+    def _load_tokenizer(self) -> Any:
+        model = self.config.model
+        return load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
 
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            model = self.config.model
-            return load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
-        return self._tokenizer.result()
+        return self._tokenizer.result() if self._tokenizer is not None else self._load_tokenizer()
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer)
@@ -293,7 +285,7 @@ class OpenAIBatchFormat(GenerateFormat):
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
         name = self.config.model.display_name()
-        return response_line(context, out, self.tokenizer(), name)
+        return response_line(context, out, name)
 
     def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
         return error_line(rid if isinstance(rid, str) else None, message, line_no)

@@ -18,7 +18,7 @@ import torch
 
 from cluster.audit import check_consistency
 from cluster.config import RaysampleConfig, load_config
-from cluster.engine_api import POLL_S, RequestAPI
+from cluster.engine_api import POLL_S, RequestAPI, take_ready
 from cluster.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
 from coordinator.coordinator import coordinator_from_config
 from coordinator.request import RequestOutput
@@ -107,17 +107,7 @@ class LocalEngine(RequestAPI):
         stepped = False  # step at least once, whatever the timeout
         while True:
             self._buffer(self.coordinator.take_outputs())  # finished without a step: errors, aborts
-            ready = []
-            for rid in wanted:
-                outs = self._outputs.get(rid)
-                if not outs:
-                    continue
-                if finished_only:
-                    if outs[-1].finished:
-                        ready.append(outs[-1])
-                        del self._outputs[rid]
-                else:
-                    ready.extend(self._outputs.pop(rid))
+            ready = take_ready(self._outputs, wanted, finished_only)
             if ready:
                 return ready
             known = self.coordinator.requests

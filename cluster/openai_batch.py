@@ -139,10 +139,6 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
 def _positions(completion: CompletionOutput, num_top: int) -> list[tuple[int, Logprob, list[tuple[int, Logprob]]]]:
     """(sampled token, its logprob, the top ones) per generated position."""
     assert completion.logprobs is not None
@@ -150,25 +146,26 @@ def _positions(completion: CompletionOutput, num_top: int) -> list[tuple[int, Lo
             for token, position in zip(completion.token_ids, completion.logprobs)]
 
 
-def _chat_logprobs(tokenizer: Any, completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+def _chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+    """Token texts are the engine's ``Logprob.decoded_token``: each token decoded once, by the coordinator."""
     if completion.logprobs is None:
         return None
     content = []
-    for token, sampled, top in _positions(completion, num_top):
-        text = _token_text(tokenizer, token)
+    for _, sampled, top in _positions(completion, num_top):
+        text = sampled.decoded_token or ""
         content.append({
             "token": text, "logprob": sampled.logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := _token_text(tokenizer, tok)), "logprob": lp.logprob,
-                              "bytes": list(t.encode())} for tok, lp in top],
+            "top_logprobs": [{"token": (t := lp.decoded_token or ""), "logprob": lp.logprob,
+                              "bytes": list(t.encode())} for _, lp in top],
         })
     return {"content": content}
 
 
-def _completion_logprobs(tokenizer: Any, completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+def _completion_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
     if completion.logprobs is None:
         return None
     positions = _positions(completion, num_top)
-    tokens = [_token_text(tokenizer, token) for token, _, _ in positions]
+    tokens = [sampled.decoded_token or "" for _, sampled, _ in positions]
     offsets, at = [], 0
     for text in tokens:
         offsets.append(at)
@@ -176,7 +173,7 @@ def _completion_logprobs(tokenizer: Any, completion: CompletionOutput, num_top: 
     return {
         "tokens": tokens,
         "token_logprobs": [sampled.logprob for _, sampled, _ in positions],
-        "top_logprobs": [{_token_text(tokenizer, t): lp.logprob for t, lp in top} for _, _, top in positions],
+        "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top} for _, _, top in positions],
         "text_offset": offsets,
     }
 
@@ -185,7 +182,7 @@ def _stable_id(prefix: str, custom_id: str) -> str:
     return f"{prefix}-{hashlib.blake2b(custom_id.encode(), digest_size=12).hexdigest()}"
 
 
-def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, model_name: str) -> dict[str, Any]:
+def response_line(request: BatchRequest, out: RequestOutput, model_name: str) -> dict[str, Any]:
     if out.error is not None:  # 500 for an engine-side failure (a resumed run retries it), else 400
         return error_line(request.custom_id, out.error, status_code=500 if out.retryable else 400)
     chat = request.url == CHAT_URL
@@ -195,10 +192,10 @@ def response_line(request: BatchRequest, out: RequestOutput, tokenizer: Any, mod
         reason = c.finish_reason.value if c.finish_reason else None
         if chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _chat_logprobs(tokenizer, c, num_top), "finish_reason": reason,
+                            "logprobs": _chat_logprobs(c, num_top), "finish_reason": reason,
                             "stop_reason": c.stop_reason})
         else:
-            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(tokenizer, c, num_top),
+            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c, num_top),
                             "finish_reason": reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {
