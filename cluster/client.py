@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -19,11 +19,18 @@ from cluster.ray_cluster import (check_cluster_resources, create_worker_placemen
                                  wait_for_placement)
 from coordinator.request import RequestOutput
 
+if TYPE_CHECKING:
+    from cluster.engine_group import EngineGroup
+
 _NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
 
 
 class EngineError(RuntimeError):
     """The engine refused or failed a call; the message is the engine's own."""
+
+
+class EngineGone(EngineError):
+    """The engine's coordinator process is dead: nothing more will come from it."""
 
 
 def _call(ref: Any, timeout_s: float | None) -> Any:
@@ -32,7 +39,7 @@ def _call(ref: Any, timeout_s: float | None) -> Any:
     except ray.exceptions.RayTaskError as exc:
         raise EngineError(str(getattr(exc, "cause", None) or exc)) from None
     except ray.exceptions.RayActorError as exc:
-        raise EngineError(f"the raysample coordinator is gone: {exc}") from None
+        raise EngineGone(f"the raysample coordinator is gone: {exc}") from None
     except ray.exceptions.GetTimeoutError:
         raise EngineError(f"the raysample coordinator did not answer within {timeout_s}s") from None
 
@@ -69,20 +76,34 @@ def with_engine_name(config: RaysampleConfig) -> RaysampleConfig:
 class Engine(RequestAPI):
     """Handle on a running raysample engine (a named coordinator actor); any number of callers."""
 
-    def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False, name: str | None = None) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 120.0, owner: bool = False, name: str | None = None,
+                 placement: Any = None, workers: Sequence[Any] = ()) -> None:
         self._actor = actor
         self.name = name
         self.timeout_s = timeout_s
         self._owner = owner
+        self._placement, self._workers = placement, list(workers)  # released by the owner if the coordinator dies
 
     @classmethod
-    def from_config(cls, source: RaysampleConfig | dict[str, Any] | str | Path) -> Engine:
-        """Start Ray (or join it, per ``cluster.address``), the workers and the named coordinator."""
-        from cluster.actors import CoordinatorActor
+    def from_config(cls, source: RaysampleConfig | dict[str, Any] | str | Path) -> Engine | EngineGroup:
+        """Start Ray (or join it, per ``cluster.address``), the workers and the named coordinator.
 
+        With ``cluster.num_engines`` above 1: that many such engines behind one ``EngineGroup``.
+        """
         config = with_engine_name(load_config(source))
         ensure_ray(config)
         check_cluster_resources(config)
+        if config.cluster.num_engines > 1:
+            from cluster.engine_group import EngineGroup
+
+            return EngineGroup.from_config(config)
+        return cls.start(config)
+
+    @classmethod
+    def start(cls, config: RaysampleConfig) -> Engine:
+        """One engine, on a Ray already joined, under the config's (set) name."""
+        from cluster.actors import CoordinatorActor
+
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         if _engine_exists(name, namespace):
             raise _name_taken(name, namespace)
@@ -110,7 +131,7 @@ class Engine(RequestAPI):
             ray.kill(actor)
             _release(placement, workers)
             raise
-        return cls(actor, config.cluster.call_timeout_s, owner=True, name=name)
+        return cls(actor, config.cluster.call_timeout_s, owner=True, name=name, placement=placement, workers=workers)
 
     @classmethod
     def connect(cls, name: str, namespace: str = "raysample",
@@ -178,3 +199,10 @@ class Engine(RequestAPI):
         finally:
             ray.kill(self._actor)
             time.sleep(0.1)
+
+    def release(self) -> None:
+        """What a dead coordinator leaves behind: its workers and their placement group."""
+        ray.kill(self._actor)
+        if self._owner and self._placement is not None:
+            _release(self._placement, self._workers)
+            self._placement, self._workers = None, []

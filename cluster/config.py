@@ -117,7 +117,10 @@ class ModelSettings(_Section):
 
 class ClusterSettings(_Section):
     address: str = "local"  # local | auto | ray://host:port | host:port
-    num_workers: int = Field(default=1, ge=1)
+    num_workers: int = Field(default=1, ge=1)  # per engine
+    # Data-parallel engines (vLLM's data_parallel_size): each a coordinator with its own workers and
+    # placement group; requests go to the one with the least outstanding work.
+    num_engines: int = Field(default=1, ge=1)
     gpus_per_worker: float = Field(default=0.0, ge=0.0)
     cpus_per_worker: float = Field(default=1.0, gt=0.0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

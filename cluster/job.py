@@ -348,7 +348,8 @@ def describe_start(config: RaysampleConfig, local: bool) -> str:
         where = "a private Ray instance"
     else:
         where = f"the Ray cluster at {cluster.address}"
-    return f"{name} on {cluster.num_workers} worker(s) of {device} each, on {where}"
+    engines = f"{cluster.num_engines} engines x " if cluster.num_engines > 1 else ""
+    return f"{name} on {engines}{cluster.num_workers} worker(s) of {device} each, on {where}"
 
 
 class Progress:

@@ -20,6 +20,7 @@ RENAMED: dict[str, tuple[str, str]] = {
     "logits_processors": ("", "processors"),
     "seed": ("scheduler", "seed"),
     "tokenizer": ("model", "tokenizer"),
+    "data_parallel_size": ("cluster", "num_engines"),
 }
 
 SECTION_ALIASES = {"speculative_config": "speculative"}  # vLLM's dict, with the same keys as ours
@@ -30,7 +31,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (1, "tensor parallelism is not supported: raysample runs the whole model on each "
                                 "worker and shards the batch across workers (num_workers)"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not supported (see num_workers)"),
-    "data_parallel_size": (1, "data-parallel engines are not supported yet: run one job per engine"),
     "quantization": (None, "quantized execution is not supported; a GGUF file is dequantized to model.dtype"),
     "enable_lora": (False, "LoRA adapters are not supported"),
     "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype; kv_cache_dtype other than 'auto' "

@@ -46,6 +46,10 @@ class LocalEngine(RequestAPI):
 
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
         self.config = load_config(config)
+        if self.config.cluster.num_engines > 1:
+            from cluster.preflight import local_engines_message
+
+            raise ValueError(local_engines_message(self.config))
         model_path = self.config.model.resolve_path()
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             set_cpu_threads()  # the workers run one after another here: each may use every usable core

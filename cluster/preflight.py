@@ -16,6 +16,13 @@ def preflight(config: RaysampleConfig, local: bool) -> None:
     _check_processors(config)
     _check_model(config)
     _check_gpus(config, local)
+    if local and config.cluster.num_engines > 1:
+        raise PreflightError(local_engines_message(config))
+
+
+def local_engines_message(config: RaysampleConfig) -> str:
+    return (f"cluster.num_engines={config.cluster.num_engines} needs Ray: the in-process engine (--local, "
+            "LocalEngine, LLM(local=True)) is one engine; drop --local or set cluster.num_engines to 1")
 
 
 def _check_processors(config: RaysampleConfig) -> None:
@@ -84,8 +91,10 @@ def _check_gpus(config: RaysampleConfig, local: bool) -> None:
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    wanted = cluster.gpus_per_worker * cluster.num_workers
+    engines = 1 if local else cluster.num_engines
+    wanted = cluster.gpus_per_worker * cluster.num_workers * engines
     if visible < wanted:
         where = "this process (--local)" if local else "this host (address: local)"
-        raise PreflightError(f"cluster.gpus_per_worker={cluster.gpus_per_worker} x {cluster.num_workers} workers needs "
+        per = f" x {engines} engines" if engines > 1 else ""
+        raise PreflightError(f"cluster.gpus_per_worker={cluster.gpus_per_worker} x {cluster.num_workers} workers{per} needs "
                              f"{wanted:g} GPU(s); {where} sees {visible}")

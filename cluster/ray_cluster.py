@@ -29,7 +29,7 @@ def ensure_ray(config: RaysampleConfig) -> None:
         ray.init(**kwargs)
     elif cluster.address == "local":
         # Logical CPUs: one per worker plus the coordinator, even on a small machine.
-        needed = int(cluster.num_workers * cluster.cpus_per_worker) + 1
+        needed = int(cluster.num_engines * cluster.num_workers * cluster.cpus_per_worker) + cluster.num_engines
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
     else:
         ray.init(address=cluster.address, **kwargs)
@@ -45,13 +45,15 @@ def worker_bundles(config: RaysampleConfig) -> list[dict[str, float]]:
 def check_cluster_resources(config: RaysampleConfig) -> None:
     """Fail in seconds, not after the placement timeout, when the cluster cannot ever hold the workers."""
     have = ray.cluster_resources()
+    cluster = config.cluster
+    engines = f"{cluster.num_engines} engines x " if cluster.num_engines > 1 else ""
     for resource, each in worker_bundles(config)[0].items():
-        wanted = each * config.cluster.num_workers
+        wanted = each * cluster.num_workers * cluster.num_engines
         if have.get(resource, 0.0) < wanted:
             raise RuntimeError(
-                f"{config.cluster.num_workers} workers x {each:g} {resource} need {wanted:g} {resource}; the Ray "
-                f"cluster has {have.get(resource, 0.0):g} in all (cluster.num_workers, "
-                f"cluster.{'gpus' if resource == 'GPU' else 'cpus'}_per_worker)")
+                f"{engines}{cluster.num_workers} workers x {each:g} {resource} need {wanted:g} {resource}; the Ray "
+                f"cluster has {have.get(resource, 0.0):g} in all ({'cluster.num_engines, ' if engines else ''}"
+                f"cluster.num_workers, cluster.{'gpus' if resource == 'GPU' else 'cpus'}_per_worker)")
 
 
 def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int) -> Any:

@@ -43,6 +43,9 @@ def test_config_file_plus_keywords_and_presets(tmp_path):
     assert config_from_llm_args("/models/x.gguf").model.path == "/models/x.gguf"
     over = config_from_llm_args("/models/y", config=path)
     assert over.model.path == "/models/y" and over.model.tiny is None and over.model.max_model_len == 64
+    assert config_from_llm_args(TINY, data_parallel_size=3).cluster.num_engines == 3
+    with pytest.raises(ValueError, match=r"cluster.num_engines=2 needs Ray: the in-process engine"):
+        LLM(TINY, data_parallel_size=2, local=True)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -50,7 +53,6 @@ def test_config_file_plus_keywords_and_presets(tmp_path):
     ({"enable_lora": True}, "LoRA adapters are not supported"),
     ({"quantization": "awq"}, "quantized execution is not supported"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype other than 'auto'"),
-    ({"data_parallel_size": 2}, "data-parallel engines are not supported"),
     ({"swap_space": 4}, "unexpected keyword argument 'swap_space'"),
     ({"max_num_seqs": "many"}, r"scheduler\.max_num_seqs: Input should be a valid integer"),
 ])

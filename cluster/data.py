@@ -1,0 +1,191 @@
+"""Ray Data datasets through raysample engines: ``build_processor(config)(dataset)``.
+
+    from cluster.data import build_processor
+    processor = build_processor("configs/default.yaml")
+    processor(ray.data.read_parquet("in.parquet")).write_parquet("out/")
+
+Input rows carry one of ``prompt``, ``messages`` or ``prompt_token_ids``, and optionally
+``sampling_params`` (vLLM's fields), ``extra_args`` (or ``vllm_xargs``) and ``id``. Output
+rows are the input rows plus ``generated_text``, ``generated_token_ids``, ``finish_reason``,
+``num_generated_tokens``, ``num_input_tokens`` and ``error``. A row that cannot run gets its
+reason in ``error`` and the dataset goes on; the rules are the JSONL job's, with one more that
+Arrow imposes: a null field is an unset one (Arrow gives every row of a column every field).
+
+The engines are a Ray Data actor pool, one raysample engine per actor (``cluster.num_engines``
+actors): with one worker per engine the engine runs inside the actor, which holds that
+worker's CPUs or GPU; with more, the actor starts an engine on Ray with its own placement group.
+An actor that dies is restarted by Ray Data and its batch runs again: outputs are keyed by
+seed or id, so they come out the same. A row with an ``id`` samples as the JSONL job's line
+with that id would; rows without one draw fresh randomness unless seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.config import RaysampleConfig, load_config
+from cluster.job import BadLine, engine_request_id, id_key, parse_line
+
+Row = dict[str, Any]
+
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_generated_tokens",
+                  "num_input_tokens", "error")
+INPUT_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
+                "extra_args", "vllm_xargs")
+DEFAULT_BATCH_SIZE = 64
+
+
+def _unset_nulls(value: Any) -> Any:
+    """Arrow fills the fields a row lacks with nulls; here they are unset again."""
+    if isinstance(value, dict):
+        return {k: _unset_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_unset_nulls(v) for v in value]
+    return value
+
+
+def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]) -> tuple[str, Any, Any]:
+    """(engine request id, prompt, SamplingParams) of one row, by the JSONL job's rules; ``BadLine`` if it cannot run."""
+    record = {k: _unset_nulls(row[k]) for k in INPUT_FIELDS if row.get(k) is not None}
+    rid = record.get("id")
+    record["id"] = rid if rid is not None else f"row-{uuid.uuid4().hex}"
+    _, prompt, params = parse_line(json.dumps(record), defaults, tokenizer)
+    if params.n != 1:
+        raise BadLine(f"n={params.n}: a dataset row holds one completion; give one row per sample (with distinct "
+                      "seeds or ids)")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise BadLine("logprobs and prompt_logprobs have no output column here; use the JSONL job for them")
+    return engine_request_id(id_key(rid)) if rid is not None else f"row:{uuid.uuid4().hex}", prompt, params
+
+
+class EngineStage:
+    """The Ray Data UDF: one raysample engine per actor, a batch of rows in, the same rows plus outputs out."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from cluster.quiet import quiet_libraries
+
+        quiet_libraries()
+        self.config = load_config(config)
+        if self.config.cluster.num_workers == 1:
+            from cluster.local_engine import LocalEngine
+
+            self.engine: Any = LocalEngine(self.config)
+            self._tokenizer = self.engine.tokenizer
+        else:
+            from cluster.chat import load_tokenizer
+            from cluster.client import Engine
+
+            self.engine = Engine.from_config(self.config)
+            model = self.config.model
+            self._tokenizer = load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
+
+    def __call__(self, batch: Any) -> Any:
+        """``batch``: a pyarrow Table; the result keeps its columns and adds ``OUTPUT_COLUMNS``."""
+        rows = batch.to_pylist()
+        outputs: list[Row] = [{} for _ in rows]
+        submitted: list[tuple[int, str, Any, Any]] = []
+        taken: set[str] = set()
+        for i, row in enumerate(rows):
+            try:
+                rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
+            except BadLine as exc:
+                outputs[i] = {"error": str(exc), "finish_reason": "error"}
+                continue
+            if rid in taken:
+                outputs[i] = {"error": f"duplicate id {row.get('id')!r}: an earlier row of this batch has it",
+                              "finish_reason": "error"}
+                continue
+            taken.add(rid)
+            submitted.append((i, rid, prompt, params))
+        if submitted:
+            ids = self.engine.submit_many([s[2] for s in submitted], [s[3] for s in submitted],
+                                          [s[1] for s in submitted], final_only=True)
+            final = self.engine.results(ids)
+            for (i, *_), rid in zip(submitted, ids):
+                out = final[rid]
+                completion = out.outputs[0]
+                outputs[i] = {
+                    "generated_text": None if out.error else completion.text,
+                    "generated_token_ids": None if out.error else list(completion.token_ids),
+                    "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                    "num_generated_tokens": len(completion.token_ids),
+                    "num_input_tokens": len(out.prompt_token_ids),
+                    "error": out.error,
+                }
+        return with_output_columns(batch, outputs)
+
+    def __del__(self) -> None:
+        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - the actor is going away either way
+                pass
+
+
+def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
+    """The batch with the output columns (typed, so blocks of all-error rows still concatenate)."""
+    import pyarrow as pa
+
+    types = {"generated_text": pa.string(), "generated_token_ids": pa.list_(pa.int64()),
+             "finish_reason": pa.string(), "num_generated_tokens": pa.int64(), "num_input_tokens": pa.int64(),
+             "error": pa.string()}
+    for name in OUTPUT_COLUMNS:
+        if name in batch.column_names:
+            batch = batch.drop_columns([name])
+        batch = batch.append_column(pa.field(name, types[name]),
+                                    pa.array([o.get(name) for o in outputs], type=types[name]))
+    return batch
+
+
+class Processor:
+    """``processor(dataset)``: the dataset's rows through the engines, lazily, as a new ``Dataset``."""
+
+    def __init__(self, config: RaysampleConfig, preprocess: Callable[[Row], Row] | None,
+                 postprocess: Callable[[Row], Row] | None, batch_size: int) -> None:
+        self.config = config
+        self.preprocess, self.postprocess = preprocess, postprocess
+        self.batch_size = batch_size
+
+    def __call__(self, dataset: Any) -> Any:
+        import ray
+
+        from cluster.ray_cluster import check_cluster_resources
+
+        cluster = self.config.cluster
+        in_actor = cluster.num_workers == 1
+        if ray.is_initialized():
+            check_cluster_resources(self.config)  # in seconds, not after Ray Data waits for resources forever
+        if self.preprocess is not None:
+            dataset = dataset.map(self.preprocess)
+        engines_config = self.config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
+        dataset = dataset.map_batches(
+            EngineStage,
+            fn_constructor_kwargs={"config": engines_config.model_dump(by_alias=True)},
+            batch_format="pyarrow",
+            batch_size=self.batch_size,
+            concurrency=cluster.num_engines,
+            # One worker: the engine runs in the actor, which holds that worker's share. More: the
+            # engine places its own workers, and the actor only drives it.
+            num_cpus=cluster.cpus_per_worker if in_actor else 0.1,
+            num_gpus=cluster.gpus_per_worker if in_actor else 0,
+        )
+        if self.postprocess is not None:
+            dataset = dataset.map(self.postprocess)
+        return dataset
+
+
+def build_processor(config: RaysampleConfig | dict[str, Any] | str | Path,
+                    preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None,
+                    batch_size: int = DEFAULT_BATCH_SIZE) -> Processor:
+    """A callable from a Ray Data ``Dataset`` to one with generations, on ``cluster.num_engines`` engines.
+
+    ``preprocess`` / ``postprocess``: row functions run before and after (Ray Data ``map``),
+    as in Ray Data LLM's ``build_processor``.
+    """
+    return Processor(load_config(config), preprocess, postprocess, batch_size)

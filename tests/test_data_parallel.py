@@ -1,0 +1,134 @@
+"""Past one engine: data-parallel engines (``cluster.num_engines``) and Ray Data datasets.
+
+One Ray cluster and one 2-engine group are shared by the module; the reference is the JSONL
+job on one in-process engine. Outputs are keyed by seed or request id, so they must not
+depend on which engine (or Ray Data actor) ran a request, nor on one dying midway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+
+from cluster import Engine
+from cluster.config import load_config
+from cluster.engine_group import EngineGroup
+from cluster.job import LocalBackend, run_job
+
+CONFIG = {
+    "model": {"tiny": "default", "max_model_len": 192},
+    "scheduler": {"max_num_seqs": 8},
+    "processors": ["processors.examples:DummyLogitsProcessor"],
+    "cluster": {"num_workers": 1, "call_timeout_s": 60},
+}
+
+
+def lines() -> list[dict]:
+    out = []
+    for i in range(14):
+        params = {"max_tokens": 24 + 5 * (i % 4), "ignore_eos": True}
+        if i % 2:
+            params |= {"seed": 100 + i, "temperature": 0.9, "top_p": 0.9}  # seeded
+        else:
+            params |= {"temperature": 1.0}  # unseeded: keyed by the request id
+        if i == 5:
+            params["n"] = 2
+        line = {"id": f"r{i}", "prompt": f"request number {i} about data parallel engines", "sampling_params": params}
+        if i == 6:
+            line["extra_args"] = {"target_token": 42}
+        out.append(line)
+    out.append({"id": "bad", "prompt": "x", "sampling_params": {"temperature": -1}})
+    return out
+
+
+def comparable(path) -> dict:
+    records = {}
+    for record in map(json.loads, path.read_text().splitlines()):
+        record.pop("timing", None)
+        assert record["id"] not in records, f"{record['id']} written twice"
+        records[record["id"]] = record
+    return records
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dp") / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(job_input, tmp_path_factory):
+    """The job's records on one engine, in this process."""
+    output = tmp_path_factory.mktemp("dp-ref") / "out.jsonl"
+    config = load_config(CONFIG)
+    run_job(config, LocalBackend(config), job_input, output, max_in_flight=8)
+    return comparable(output)
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    engines = Engine.from_config({**CONFIG, "cluster": {**CONFIG["cluster"], "num_engines": 2,
+                                                        "coordinator_name": "dp"}})
+    assert isinstance(engines, EngineGroup) and len(engines.engines) == 2
+    yield engines
+    engines.shutdown()
+
+
+def test_two_engines_write_the_records_of_one(group, job_input, reference, tmp_path):
+    output = tmp_path / "out.jsonl"
+    counters = run_job(load_config(CONFIG), group, job_input, output, max_in_flight=16)
+    assert comparable(output) == reference
+    assert counters.done == 14 and counters.errors == 1
+    stats = group.stats()
+    per_engine = [sum(s["finished"].values()) for s in stats["engines"]]
+    assert all(n >= 4 for n in per_engine), per_engine  # both engines took a share
+    assert stats["engines_alive"] == 2 and stats["generated_tokens"] == sum(s["generated_tokens"] for s in stats["engines"])
+    assert stats["kv_cache"].startswith("2 engines: dp-0: KV cache")
+
+
+def test_a_killed_engine_loses_and_duplicates_nothing(group, job_input, reference, tmp_path):
+    """Engine 1's coordinator is killed once the first records are written: its requests run on engine 0."""
+    output = tmp_path / "out.jsonl"
+    its_workers = list(group.engines[1]._workers)
+
+    class KillsOneEngine:
+        def __init__(self) -> None:
+            self.killed = False
+
+        def __getattr__(self, name):
+            return getattr(group, name)
+
+        def poll(self, ids, timeout_s, finished_only=False):
+            outs = group.poll(ids, timeout_s, finished_only)
+            if outs and not self.killed:
+                assert any(t.engine == 1 for t in group._requests.values())  # it still holds requests
+                self.killed = True
+                ray.kill(group.engines[1]._actor)
+            return outs
+
+    run_job(load_config(CONFIG), KillsOneEngine(), job_input, output, max_in_flight=16)
+    assert comparable(output) == reference
+    stats = group.stats()
+    assert stats["engines_alive"] == 1 and stats["engines"][1] is None and stats["reruns"] > 0
+    for worker in its_workers:  # what the dead engine held was released
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.pid.remote(), timeout=30)
+
+
+def test_more_engines_than_the_cluster_holds_fail_in_seconds(ray_cluster):
+    with pytest.raises(RuntimeError, match=r"^64 engines x 1 workers x 1 CPU need 64 CPU; the Ray cluster has 6 "):
+        Engine.from_config({**CONFIG, "cluster": {"num_engines": 64}})  # refused before anything is placed
