@@ -57,8 +57,8 @@ def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]
     if params.n != 1:
         raise BadLine(f"n={params.n}: a dataset row holds one completion; give one row per sample (with distinct "
                       "seeds or ids)")
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        raise BadLine("logprobs and prompt_logprobs have no output column here; use the JSONL job for them")
+    if params.logprobs is not None:
+        raise BadLine("logprobs have no output column here; use the JSONL job for them")
     return engine_request_id(id_key(rid)) if rid is not None else f"row:{uuid.uuid4().hex}", prompt, params
 
 
@@ -94,6 +94,9 @@ class EngineStage:
                 rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
             except BadLine as exc:
                 outputs[i] = {"error": str(exc), "finish_reason": "error"}
+                continue
+            except Exception as exc:  # noqa: BLE001 - one odd row must not fail the dataset
+                outputs[i] = {"error": f"{type(exc).__name__}: {exc}", "finish_reason": "error"}
                 continue
             if rid in taken:
                 outputs[i] = {"error": f"duplicate id {row.get('id')!r}: an earlier row of this batch has it",
@@ -163,15 +166,17 @@ class Processor:
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess)
         engines_config = self.config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
+        from ray.data import ActorPoolStrategy
+
         dataset = dataset.map_batches(
             EngineStage,
             fn_constructor_kwargs={"config": engines_config.model_dump(by_alias=True)},
             batch_format="pyarrow",
             batch_size=self.batch_size,
-            concurrency=cluster.num_engines,
+            compute=ActorPoolStrategy(size=cluster.num_engines),
             # One worker: the engine runs in the actor, which holds that worker's share. More: the
             # engine places its own workers, and the actor only drives it.
-            num_cpus=cluster.cpus_per_worker if in_actor else 0.1,
+            num_cpus=cluster.cpus_per_worker if in_actor else 0,
             num_gpus=cluster.gpus_per_worker if in_actor else 0,
         )
         if self.postprocess is not None:

@@ -82,3 +82,20 @@ class BoomWhenCrowded(_Tagged):
         if len(self.tagged) >= 2:
             raise RuntimeError("crowded")
         return logits
+
+
+class ExitsOnce(AdapterLogitsProcessor):
+    """``exit_once: <path>``: the first process to see such a request creates ``path`` and dies on the spot
+    (a crashed engine process); later ones, finding the file, do nothing."""
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        import os
+
+        marker = (params.extra_args or {}).get("exit_once")
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return None

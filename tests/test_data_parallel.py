@@ -132,3 +132,97 @@ def test_a_killed_engine_loses_and_duplicates_nothing(group, job_input, referenc
 def test_more_engines_than_the_cluster_holds_fail_in_seconds(ray_cluster):
     with pytest.raises(RuntimeError, match=r"^64 engines x 1 workers x 1 CPU need 64 CPU; the Ray cluster has 6 "):
         Engine.from_config({**CONFIG, "cluster": {"num_engines": 64}})  # refused before anything is placed
+
+
+# ----- Ray Data -----
+
+def data_rows() -> list[dict]:
+    """The job's lines as dataset rows (n=2 aside: a row holds one completion), and rows that cannot run."""
+    rows = [line for line in lines() if line["id"] != "r5"]
+    rows += [{"id": "no-prompt", "sampling_params": {"max_tokens": 4}},
+             {"id": "n2", "prompt": "two of them", "sampling_params": {"n": 2}},
+             {"id": "dup", "prompt": "first"}, {"id": "dup", "prompt": "second"}]
+    return rows
+
+
+def check_against_job(rows: list[dict], reference: dict) -> None:
+    by_id: dict = {}
+    for row in rows:
+        by_id.setdefault(row["id"], []).append(row)
+    for rid, record in reference.items():
+        if rid in ("r5", "bad"):
+            continue
+        [row] = by_id[rid]
+        assert row["error"] is None, row
+        assert list(row["generated_token_ids"]) == record["token_ids"], rid
+        assert (row["generated_text"], row["finish_reason"]) == (record["text"], record["finish_reason"])
+        assert row["num_generated_tokens"] == len(record["token_ids"])
+        assert row["num_input_tokens"] == record["prompt_tokens"]
+    errors = {rid: rows[0]["error"] for rid, rows in by_id.items() if rid not in reference}
+    assert errors["no-prompt"] == "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
+    assert errors["n2"].startswith("n=2: a dataset row holds one completion")
+    assert by_id["bad"][0]["error"].startswith("invalid sampling_params: temperature")
+    assert sorted(r["error"] or "" for r in by_id["dup"])[1].startswith("duplicate id 'dup'")
+
+
+def test_ray_data_parquet_in_and_out_on_two_engines(ray_cluster, reference, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cluster.data import build_processor
+
+    rows = data_rows()
+    columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for row in rows for k in row)}
+    pq.write_table(pa.table(columns), tmp_path / "in.parquet")
+    config = {**CONFIG, "cluster": {**CONFIG["cluster"], "num_engines": 2}}
+    processor = build_processor(config, postprocess=lambda row: {**row, "chars": len(row["generated_text"] or "")})
+    processor(ray.data.read_parquet(str(tmp_path / "in.parquet"))).write_parquet(str(tmp_path / "out"))
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(rows) == len(data_rows())
+    check_against_job(rows, reference)
+    assert all(r["chars"] == len(r["generated_text"] or "") for r in rows)
+
+
+def test_ray_data_json_in_and_a_crashed_engine_actor_is_replaced(ray_cluster, job_input, reference, tmp_path):
+    """One engine actor dies mid-batch (a test processor exits its process): Ray Data restarts it, the
+    batch runs again, and every row comes out once, as the job wrote it."""
+    from cluster.data import build_processor
+
+    source = tmp_path / "in.jsonl"
+    crash = {"id": "crash", "prompt": "this one kills its engine once",
+             "extra_args": {"exit_once": str(tmp_path / "crashed")}}
+    source.write_text(job_input.read_text() + json.dumps(crash) + "\n")
+    config = {**CONFIG, "processors": CONFIG["processors"] + ["failing_processors:ExitsOnce"]}
+    processor = build_processor(config, preprocess=lambda row: {**row, "seen": True}, batch_size=8)
+    processor(ray.data.read_json(str(source))).write_json(str(tmp_path / "out"))
+    rows = [json.loads(line) for f in sorted((tmp_path / "out").iterdir()) for line in f.read_text().splitlines()]
+    assert (tmp_path / "crashed").exists()  # the engine did die
+    assert sorted(r["id"] for r in rows) == sorted([*reference, "crash"])
+    assert all(r["seen"] for r in rows)
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["crash"]["error"] is None and by_id["crash"]["num_generated_tokens"] == 16
+    assert by_id["r5"]["error"].startswith("n=2")
+    for rid, record in reference.items():
+        if rid not in ("r5", "bad"):
+            assert by_id[rid]["generated_token_ids"] == record["token_ids"], rid
+
+
+def test_the_example_parquet_holds_the_example_jsonl():
+    """examples/prompts.parquet is examples/prompts.jsonl as dataset rows (the n=2 line aside, JSON schemas
+    as strings: Arrow wants one type per column)."""
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from cluster.data import _unset_nulls
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    expected = []
+    for line in map(json.loads, (examples / "prompts.jsonl").read_text().splitlines()):
+        if line["sampling_params"].get("n", 1) == 1:
+            schema = line["sampling_params"].get("structured_outputs", {})
+            if "json" in schema:
+                schema["json"] = json.dumps(schema["json"])
+            expected.append(line)
+    rows = [_unset_nulls(row) for row in pq.read_table(examples / "prompts.parquet").to_pylist()]
+    assert rows == expected

@@ -183,3 +183,23 @@ def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "a private Ray instance" in run.stdout
     assert len(json.loads(output.read_text())["token_ids"]) == 4
+
+
+def test_the_ray_data_example_runs_as_the_readme_shows_it(ray_head, tmp_path):
+    """Parquet in, Parquet out, on the default model's 2 workers inside one Ray Data engine actor."""
+    import pyarrow.parquet as pq
+
+    address, env = ray_head
+    output = tmp_path / "parquet"
+    run = submit(address, env, ["python", "examples/ray_data_parquet.py", "--input", "examples/prompts.parquet",
+                                "--output", str(output)])
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and "succeeded" in log.lower(), log
+    assert "[raysample] 7 rows written to" in run.stdout and ", 0 with an error" in run.stdout
+    rows = {r["id"]: r for r in pq.read_table(output).to_pylist()}
+    assert set(rows) == {"capital", "haiku", "plain", "json", "choice", "stop", "banana"}
+    assert "Paris" in rows["capital"]["generated_text"]
+    assert rows["banana"]["generated_text"] == " banana" * 6
+    assert set(json.loads(rows["json"]["generated_text"])) == {"name", "age"}
+    assert rows["choice"]["generated_text"] in ("yes", "no")
+    assert rows["stop"]["finish_reason"] == "stop" and ", 5" not in rows["stop"]["generated_text"]
