@@ -176,7 +176,8 @@ def test_ray_data_parquet_in_and_out_on_two_engines(ray_cluster, reference, tmp_
     pq.write_table(pa.table(columns), tmp_path / "in.parquet")
     config = {**CONFIG, "cluster": {**CONFIG["cluster"], "num_engines": 2}}
     processor = build_processor(config, postprocess=lambda row: {**row, "chars": len(row["generated_text"] or "")})
-    processor(ray.data.read_parquet(str(tmp_path / "in.parquet"))).write_parquet(str(tmp_path / "out"))
+    dataset = ray.data.read_parquet(str(tmp_path / "in.parquet")).repartition(2)  # a block for each engine
+    processor(dataset).write_parquet(str(tmp_path / "out"))
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert len(rows) == len(data_rows())
     check_against_job(rows, reference)
