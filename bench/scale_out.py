@@ -1,24 +1,36 @@
-"""Throughput of one engine as its (simulated GPU) workers grow: tokens/s against ideal linear scaling.
+"""Throughput as simulated GPU workers and engines grow: tokens/s against ideal linear scaling.
 
 Each worker is a Ray actor with ``model.simulate`` (default preset ``llama-8b-h100``: it sleeps
 the modelled step time of an 8B model on one H100 and returns hash logits on the tiny model's
-vocabulary, through the real sampler). Every run gives each worker the same load
-(``--rows`` rows of seeded random requests, ``--max-tokens`` tokens each, ignore_eos), so
-ideal scaling is the one-worker rate times the workers. Prints tokens/s and the fraction of
-ideal for each count, as measured on this machine: here every worker's own host work
-(applying the plan, sampling its rows) shares the machine's cores, which a GPU node with a
-core per GPU does not.
+vocabulary, through the real sampler). Every worker gets the same load (``--rows`` running
+rows, twice that many seeded requests of ``--max-tokens`` tokens, ignore_eos), so ideal
+scaling is the one-worker rate times the workers.
 
-    python bench/scale_out.py [--workers 1,2,4,8,16] [--rows 64] [--max-tokens 64] [--quick]
+Two figures for every run:
+- **as measured** here, where every process (coordinator, workers, Ray) shares this machine's
+  cores, which a GPU node with a core per GPU does not;
+- **own core**: the rate if every process had a core of its own. A step then takes the
+  coordinator's CPU on the critical path + one plan fan-out and result gather (an idle actor
+  round trip, measured in the same run) + the slowest worker's host CPU and modelled compute.
+  CPU times are per thread (``time.thread_time``), which contention does not stretch.
 
-Not measured yet (issue 27): the own-core figure, k engines x W workers, and the PNG.
+Runs: one engine with 1..16 workers over plain actor calls; k engines x W workers with
+k*W = 16; one engine over a Ray compiled graph (its channels busy-wait, so on a small machine
+it is shown as measured only: the spin is CPU time, the own-core model cannot separate it).
+Prints a table with where each step's time goes, and draws both curves against ideal
+scaling in ``--plot`` (PNG).
+
+    python bench/scale_out.py [--workers 1,2,4,8,16] [--engines 2,4,8,16] [--compiled 1,2,4]
+                              [--rows 64] [--max-tokens 64] [--plot bench/scale_out.png] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,53 +40,180 @@ import ray  # noqa: E402
 from cluster import Engine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
+TOTAL_WORKERS = 16
 
-def run(workers: int, rows: int, max_tokens: int, preset: str) -> tuple[int, float, dict]:
+
+@dataclass
+class Run:
+    engines: int
+    workers: int  # per engine
+    compiled: bool
+    tokens: int
+    seconds: float
+    profiles: list[dict[str, float]]  # per engine, over the timed run
+    round_trip_s: float
+
+    @property
+    def label(self) -> str:
+        kind = "compiled graph" if self.compiled else "actor calls"
+        return f"{self.engines} x {self.workers:>2}, {kind}"
+
+    @property
+    def total_workers(self) -> int:
+        return self.engines * self.workers
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def own_core_seconds(self, profile: dict[str, float]) -> float:
+        return profile["coordinator_cpu_s"] + profile["steps"] * self.round_trip_s + profile["own_core_worker_s"]
+
+    def own_core_rate(self) -> float:
+        """Engines run side by side, each on cores of its own: the slowest one sets the time."""
+        return self.tokens / max(self.own_core_seconds(p) for p in self.profiles)
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Where a step goes, averaged over every engine's steps."""
+        steps = sum(p["steps"] for p in self.profiles)
+
+        def ms(key: str) -> float:
+            return 1000 * sum(p[key] for p in self.profiles) / steps
+
+        parts = {"step (as measured)": ms("wall_s"), "coordinator CPU": ms("coordinator_cpu_s"),
+                 "fan-out + gather": 1000 * self.round_trip_s, "slowest worker CPU": ms("worker_cpu_s"),
+                 "modelled compute": ms("simulated_s"), "stragglers": ms("straggler_s")}
+        own = sum(self.own_core_seconds(p) for p in self.profiles) / steps * 1000
+        parts["own-core step"] = own
+        parts["contention"] = parts["step (as measured)"] - own
+        return parts
+
+
+def profiles_of(engine: object) -> list[dict[str, float]]:
+    stats = engine.stats()
+    return [e["profile"] for e in stats["engines"]] if "engines" in stats else [stats["profile"]]
+
+
+def idle_round_trip(engine: object, calls: int = 50) -> float:
+    """Median seconds of a small actor call to a worker while the engine is idle."""
+    worker = engine.worker_handles()[0]
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        ray.get(worker.ready.remote())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool) -> Run:
     config = {
         "model": {"tiny": "default", "max_model_len": 256, "simulate": {"preset": preset}},
-        "cluster": {"num_workers": workers, "cpus_per_worker": 1, "coordinator_name": f"scale-{workers}"},
+        "cluster": {"num_workers": workers, "num_engines": engines, "cpus_per_worker": 1, "compiled_graph": compiled,
+                    "coordinator_name": f"scale-{engines}x{workers}{'-cg' if compiled else ''}"},
         "scheduler": {"max_num_seqs": rows * workers, "max_num_batched_tokens": 64 * rows * workers},
     }
     engine = Engine.from_config(config)
     try:
-        engine.generate(["warm up"] * workers, SamplingParams(max_tokens=4))
-        n = 2 * rows * workers
+        engine.generate(["warm up"] * engines * workers, SamplingParams(max_tokens=4))
+        round_trip = idle_round_trip(engine)
+        n = 2 * rows * workers * engines
         prompts = [f"request {i} of the scaling run" for i in range(n)]
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
                   for i in range(n)]
+        before = profiles_of(engine)
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
-        stats = engine.stats()
+        after = profiles_of(engine)
     finally:
         engine.shutdown()
-    return sum(len(o.token_ids) for o in outs), seconds, stats
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+    return Run(engines, workers, compiled, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta, round_trip)
+
+
+def report(runs: list[Run], base: Run) -> None:
+    print(f"\n{'run (engines x workers)':<28} {'tokens/s':>9} {'as measured':>12} {'own core':>9}   "
+          "(fraction of linear from 1 worker)")
+    for r in runs:
+        ideal_measured = base.rate() * r.total_workers
+        ideal_own = base.own_core_rate() * r.total_workers
+        own = "n/a (spin)" if r.compiled else f"{r.own_core_rate() / ideal_own:9.1%}"
+        print(f"{r.label:<28} {r.rate():9.0f} {r.rate() / ideal_measured:12.1%} {own:>9}")
+    print("\nwhere a step goes, ms (averaged over engines' steps)")
+    keys = list(base.per_step_ms())
+    print(f"{'run':<28} " + " ".join(f"{k:>19}" for k in keys))
+    for r in runs:
+        print(f"{r.label:<28} " + " ".join(f"{v:19.2f}" for v in r.per_step_ms().values()))
+
+
+def plot(runs: list[Run], base: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one = [r for r in runs if r.engines == 1 and not r.compiled]
+    many = [r for r in runs if r.total_workers == TOTAL_WORKERS and not r.compiled]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [r.workers for r in one]
+    left.plot(xs, [base.own_core_rate() * x for x in xs], "k--", label="ideal (own core)")
+    left.plot(xs, [r.own_core_rate() for r in one], "o-", label="own core per process")
+    left.plot(xs, [base.rate() * x for x in xs], ":", color="grey", label="ideal (as measured)")
+    left.plot(xs, [r.rate() for r in one], "s-", label="as measured (2-core VM)")
+    left.set(xlabel="simulated H100 workers in one engine", ylabel="tokens/s", title="One engine",
+             xscale="log", yscale="log")
+    left.set_xticks(xs, [str(x) for x in xs])
+    left.legend(fontsize=8)
+    labels = [f"{r.engines}x{r.workers}" for r in many]
+    at = range(len(many))
+    right.bar([i - 0.2 for i in at], [r.own_core_rate() / (base.own_core_rate() * 16) for r in many], 0.4,
+              label="own core")
+    right.bar([i + 0.2 for i in at], [r.rate() / (base.rate() * 16) for r in many], 0.4, label="as measured")
+    right.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    right.set_xticks(list(at), labels)
+    right.set(xlabel="engines x workers (16 workers)", ylabel="fraction of linear", title="16 workers", ylim=(0, 1.1))
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", default="1,2,4,8,16")
+    parser.add_argument("--workers", default="1,2,4,8,16", help="workers in one engine")
+    parser.add_argument("--engines", default="2,4,8,16", help="engines k, each with 16/k workers")
+    parser.add_argument("--compiled", default="1,2,4", help="workers in one engine over a compiled graph")
     parser.add_argument("--rows", type=int, default=64, help="rows per worker")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--preset", default="llama-8b-h100")
-    parser.add_argument("--quick", action="store_true", help="1 and 2 workers, 8 rows, 8 tokens (a smoke run)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 and 2 workers, 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
     args = parser.parse_args()
-    counts = [1, 2] if args.quick else [int(w) for w in args.workers.split(",")]
-    rows, max_tokens = (8, 8) if args.quick else (args.rows, args.max_tokens)
-    ray.init(num_cpus=max(counts) + 2, include_dashboard=False, namespace="raysample", log_to_driver=False)
+    if args.quick:
+        shapes = [(1, 1, False), (1, 2, False), (2, 1, False)]
+        rows, max_tokens = 8, 8
+    else:
+        shapes = [(1, int(w), False) for w in args.workers.split(",") if w]
+        shapes += [(int(k), TOTAL_WORKERS // int(k), False) for k in args.engines.split(",") if k]
+        shapes += [(1, int(w), True) for w in args.compiled.split(",") if w]
+        rows, max_tokens = args.rows, args.max_tokens
+    ray.init(num_cpus=max(k * w for k, w, _ in shapes) + 2, include_dashboard=False, namespace="raysample",
+             log_to_driver=False)
     print(f"simulated {args.preset} workers, {rows} rows each, {max_tokens} tokens a request, "
-          f"{2 * rows} requests per worker; one engine, plain actor calls")
-    base = None
+          f"{2 * rows} requests per worker")
+    runs: list[Run] = []
     try:
-        for workers in counts:
-            tokens, seconds, stats = run(workers, rows, max_tokens, args.preset)
-            rate = tokens / seconds
-            base = base or rate
-            print(f"{workers:>3} workers: {tokens:>7} tokens in {seconds:6.1f} s = {rate:8.0f} tokens/s; "
-                  f"{rate / (base * workers):6.1%} of linear; step overhead (median) "
-                  f"{stats.get('step_overhead_ms_median') or float('nan'):.2f} ms", flush=True)
+        for engines, workers, compiled in shapes:
+            r = run(engines, workers, rows, max_tokens, args.preset, compiled)
+            runs.append(r)
+            print(f"{r.label}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s "
+                  f"(own core {r.own_core_rate():.0f})", flush=True)
     finally:
         ray.shutdown()
+    base = next(r for r in runs if r.engines == 1 and r.workers == 1 and not r.compiled)
+    report(runs, base)
+    if args.plot:
+        plot(runs, base, args.plot)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -25,6 +26,7 @@ from cluster.config import load_config
 from cluster.engine_api import take_ready
 from cluster.ray_metrics import EngineRayMetrics
 from cluster.ray_cluster import create_worker_placement, launch_worker
+from cluster.step_profile import StepProfile
 from coordinator.coordinator import coordinator_from_config, coordinator_inputs
 from workers.wire import StepPlan, StepResult
 from coordinator.request import RequestOutput
@@ -76,6 +78,7 @@ class EngineCore:
         self.finished: dict[str, int] = {}  # requests by finish reason
         self.fatal: str | None = None
         self.step_overhead_ms: deque[float] = deque(maxlen=1000)
+        self.profile = StepProfile()
         self.recoveries = 0
         self._stop = False
         self._started = time.monotonic()
@@ -99,8 +102,8 @@ class EngineCore:
         2 cores, one worker with 2 threads: 0.84-0.89x). GPU workers compute on the device.
         """
         cluster = self.config.cluster
-        if cluster.gpus_per_worker > 0:
-            return True
+        if cluster.gpus_per_worker > 0 or self.config.model.simulate is not None:
+            return True  # simulated workers stand for GPU ones: they sleep, their cores are free
         from workers.threads import threads_for_share, usable_cores
 
         here = ray.get_runtime_context().get_node_id()
@@ -257,6 +260,7 @@ class EngineCore:
                 "spec_accepted": m.spec_accepted,
                 "spec_acceptance": m.spec_acceptance,
                 "step_overhead_ms_median": overhead[len(overhead) // 2] if overhead else None,
+                "profile": asdict(self.profile),
                 "recoveries": self.recoveries,
                 "overlap_outputs": self.overlap_outputs,
                 **self.coordinator.kv_stats(),
@@ -299,7 +303,7 @@ class EngineCore:
             with self.lock:
                 if self._stop:
                     return
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.thread_time()
                 m = self.coordinator.metrics
                 before = (m.generated_tokens, m.prefill_tokens, m.spec_proposed, m.spec_accepted)
                 plan = self.coordinator.next_plan() if self.fatal is None else None
@@ -310,9 +314,11 @@ class EngineCore:
                     self.lock.wait(0.05)
                     continue
             pending = self._submit(plan)
+            planned_cpu = time.thread_time()
             if self.overlap_outputs:
                 with self.lock:  # while the workers compute
                     self._publish(self.coordinator.take_outputs())
+            overlapped_cpu = time.thread_time() - planned_cpu
             results = self._collect(plan, pending)
             with self.lock:
                 if results is None:
@@ -329,6 +335,7 @@ class EngineCore:
                 step_s = time.perf_counter() - started
                 slowest = max((r.compute_s for r in results), default=0.0)
                 self.step_overhead_ms.append((step_s - slowest) * 1000)
+                self.profile.add(step_s, time.thread_time() - started_cpu - overlapped_cpu, results)
                 self._record_step(step_s, before)
 
     def _record_step(self, step_s: float, before: tuple[int, int, int, int]) -> None:
@@ -352,6 +359,10 @@ class EngineCore:
         if self._graph is not None or isinstance(pending, Exception):
             return self._collect_compiled(plan, pending)
         deadline = time.monotonic() + self.timeout_s
+        try:  # one call for every result: the common case costs the coordinator half the CPU of W calls
+            return list(ray.get(list(pending.values()), timeout=self.timeout_s))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # find who failed, one by one (a hung one has used up the deadline already)
         results, gone, raised = [], [], []
         for i, ref in pending.items():
             try:

@@ -14,5 +14,8 @@ def test_scale_out_quick_runs_simulated_workers_on_ray():
     done = subprocess.run([sys.executable, "bench/scale_out.py", "--quick"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = re.findall(r"^\s*(\d+) workers:\s+(\d+) tokens .* of linear", done.stdout, re.M)
-    assert [(int(w), int(t)) for w, t in lines] == [(1, 128), (2, 256)], done.stdout
+    runs = re.findall(r"^(\d+) x\s+(\d+), actor calls: (\d+) tokens .* tokens/s \(own core \d+\)$", done.stdout, re.M)
+    assert [tuple(map(int, r)) for r in runs] == [(1, 1, 128), (1, 2, 256), (2, 1, 256)], done.stdout
+    fractions = re.findall(r"^\d+ x\s+\d+, actor calls\s+\d+\s+([\d.]+)%\s+([\d.]+)%$", done.stdout, re.M)
+    assert len(fractions) == 3 and fractions[0] == ("100.0", "100.0"), done.stdout
+    assert "own-core step" in done.stdout and "stragglers" in done.stdout

@@ -120,6 +120,10 @@ class StepResult:
     plan_s: float = 0.0
     # Seconds of one sampling pass over the shard (verifying drafts takes one per draft position).
     sample_pass_s: float = 0.0
+    # CPU seconds of the step on the worker's thread (host work; a GPU's or a simulated compute's
+    # waiting is not in it), and the modelled compute slept by a simulated runner.
+    cpu_s: float = 0.0
+    simulated_s: float = 0.0
 
     def token_lists(self) -> list[list[int]]:
         """Per shard row, its tokens (for tests and slow paths)."""

@@ -77,7 +77,8 @@ class Worker:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
-        start_time = time.perf_counter()
+        start_time, start_cpu = time.perf_counter(), time.thread_time()
+        simulated_before = getattr(self.runner, "simulated_s", 0.0)
         self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
         self.sampler.update_state(batch_update)
@@ -120,6 +121,8 @@ class Worker:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
         result.compute_s = time.perf_counter() - start_time
+        result.cpu_s = time.thread_time() - start_cpu
+        result.simulated_s = getattr(self.runner, "simulated_s", 0.0) - simulated_before
         return result
 
 
