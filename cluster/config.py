@@ -327,7 +327,10 @@ def load_config(source: RaysampleConfig | dict[str, Any] | str | Path) -> Raysam
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config {path} is not valid YAML{where}: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config {path} must be a mapping at the top level")
         source = data

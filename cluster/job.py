@@ -32,7 +32,7 @@ from cluster.chat import load_tokenizer, render_chat
 from cluster.job_paths import JobPathError, check_job_paths
 from cluster.preflight import PreflightError, preflight
 from cluster.quiet import quiet_libraries
-from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
+from cluster.openai_batch import BatchLineError, PromptParts, error_line, parse_batch_line, response_line
 from coordinator.request import CompletionOutput, RequestOutput, top_of
 from processors import SamplingParams
 
@@ -143,6 +143,8 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tu
         raise BadLine(f"'sampling_params' must be an object, got {type(given_params).__name__}")
     params = dict(defaults)
     params.update(given_params or {})
+    if "extra_args" in record and "vllm_xargs" in record:
+        raise BadLine("give 'extra_args' or 'vllm_xargs' (its vLLM name), not both")
     extra = record.get("extra_args", record.get("vllm_xargs"))
     if extra is not None:
         if not isinstance(extra, dict):
@@ -301,10 +303,16 @@ def _open_for_append(path: Path) -> TextIO:
     return path.open("a", encoding="utf-8")
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw bytes) of every non-blank line; decoding is per line, so bad bytes fail one line."""
+    """(line number, raw bytes) of every non-blank line; decoding is per line, so bad bytes fail one line.
+    A UTF-8 byte order mark opening the file is skipped (as ``utf-8-sig`` reads it)."""
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            if line_no == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
             if raw.strip():
                 yield line_no, raw
 
@@ -391,7 +399,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
     counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path)))
     progress = Progress(counters, log_every_s)
     seen: set[str] = set()
-    in_flight: dict[str, tuple[Any, Any, str]] = {}  # engine request id -> (record id, context, line digest)
+    in_flight: dict[str, InFlight] = {}  # engine request id -> its line
     shown = 0
     with _open_for_append(output_path) as sink:
 
@@ -416,43 +424,50 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     exhausted = True
                     break
                 line_no, raw = item
-                digest = line_digest(raw)
-                if written.done(digest, None):
-                    counters.skipped += 1
+                digest, key = line_digest(raw), peek_key(fmt, raw)
+                # One rule for ids: the first line with an id takes it, whatever becomes of that line
+                # (result or error, in this run or an earlier one); a later line with it is a duplicate.
+                if written.done(digest, None) or (key is not None and key in written.ids and key not in seen):
+                    counters.skipped += 1  # a final record exists (resume)
+                    if key is not None:
+                        seen.add(key)
                     continue
+                shown_id = fmt.peek(raw.decode("utf-8", "replace"))
+                if key is not None and key in seen:
+                    reject(shown_id, line_no, digest, f"duplicate id {shown_id!r}: an earlier line has it")
+                    continue
+                if key is not None:
+                    seen.add(key)
                 try:
                     rid, context, prompt, params = fmt.parse(decode_line(raw))
                 except BadLine as exc:
-                    key = peek_key(fmt, raw)
-                    if key is not None and key in written.ids:  # this id already has a result
-                        counters.skipped += 1
-                        continue
-                    reject(fmt.peek(raw.decode("utf-8", "replace")), line_no, digest, str(exc))
+                    reject(shown_id, line_no, digest, str(exc))
                     continue
-                key = id_key(rid)
-                if key in written.ids and key not in seen:
-                    seen.add(key)
-                    counters.skipped += 1
-                    continue
-                if key in seen:
-                    reject(rid, line_no, digest, f"duplicate id {rid!r}: an earlier line has it")
-                    continue
-                seen.add(key)
                 batch.append((rid, context, prompt, params, digest))
             if batch:
-                ids = backend.submit_many([b[2] for b in batch], [b[3] for b in batch],
-                                          [engine_request_id(id_key(b[0])) for b in batch], final_only=True)
-                in_flight.update({eid: (rid, context, digest) for eid, (rid, context, _, _, digest) in zip(ids, batch)})
+                requests = [(part_id, part, params, line) for rid, context, prompt, params, digest in batch
+                            for line in [InFlight(rid, context, digest, [None] * len(parts_of(prompt)))]
+                            for part_id, part in zip(part_ids(rid, prompt), parts_of(prompt))]
+                ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
+                                          [r[0] for r in requests], final_only=True)
+                in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
             if in_flight:
                 for out in backend.poll(list(in_flight), 1.0, True):
                     if counters.first_result is None:
                         counters.first_result = time.monotonic()
-                    rid, context, digest = in_flight.pop(out.request_id)
-                    record = fmt.result(context, out)
-                    if out.error is not None and out.retryable:
+                    line = in_flight.pop(out.request_id)
+                    line.outs[line.outs.index(None)] = out
+                    if None in line.outs:
+                        continue  # a line of several prompts is written when all are done
+                    rid = line.rid
+                    outs = sorted(line.outs, key=lambda o: o.request_id)  # in prompt order (ids end %p<i>)
+                    record = fmt.result(line.context, outs if len(outs) > 1 else outs[0])
+                    failed = next((o for o in outs if o.error is not None), None)
+                    if failed is not None and failed.retryable:
                         record["retryable"] = True  # an engine failure: a resumed run retries it
-                    write(record, digest)
-                    counters.tokens += len(out.token_ids)
+                    write(record, line.digest)
+                    counters.tokens += sum(len(o.token_ids) for o in outs)
+                    out = failed or outs[0]
                     if out.error:
                         counters.errors += 1
                     else:
@@ -466,6 +481,29 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
     return counters
 
 
+@dataclass
+class InFlight:
+    """A line whose request(s) the engine runs: several for a run-batch line with a list of prompts."""
+
+    rid: Any
+    context: Any
+    digest: str
+    outs: list[RequestOutput | None]
+
+
+def parts_of(prompt: Any) -> list[Any]:
+    return list(prompt) if isinstance(prompt, PromptParts) else [prompt]
+
+
+def part_ids(rid: Any, prompt: Any) -> list[str]:
+    """Engine ids: the line's, and for several prompts ``<id>%p<i>`` (an escaped id has no bare ``%p``)."""
+    base = engine_request_id(id_key(rid))
+    if not isinstance(prompt, PromptParts):
+        return [base]
+    width = len(str(len(prompt) - 1))
+    return [f"{base}%p{i:0{width}d}" for i in range(len(prompt))]
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -474,15 +512,18 @@ def positive_int(text: str) -> int:
 
 
 class OutputLocked(RuntimeError):
-    """Another job is writing the same output file."""
+    """The output cannot be held: another job is writing it, or it cannot be written at all."""
 
 
 def lock_output(path: Path) -> TextIO:
     """Hold an exclusive lock on the output for the job's lifetime: two writers would duplicate every id."""
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = path.open("a", encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a", encoding="utf-8")
+    except OSError as exc:
+        raise OutputLocked(f"--output {path} cannot be written: {exc.strerror or exc}") from None
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -39,6 +39,9 @@ def check_job_paths(input_path: Path, output_path: Path, config_path: Path) -> N
             f"--output {output_path} is relative: under `ray job submit --working-dir` the job runs in Ray's "
             "temporary copy of the working directory, which is deleted when the job ends; pass an absolute path "
             f"(e.g. --output \"$PWD/{output_path}\") on a filesystem the head node can write")
+    output_problem = unwritable(output_path)
+    if output_problem:
+        raise JobPathError(f"--output {output_path} cannot be written: {output_problem}")
     for flag, path in (("--input", input_path), ("--config", config_path)):
         if path.exists():
             continue
@@ -47,3 +50,19 @@ def check_job_paths(input_path: Path, output_path: Path, config_path: Path) -> N
                 f"{flag} {path} is not in the job's copy of --working-dir (files that .gitignore excludes are "
                 "not uploaded); pass an absolute path the head node can read")
         raise JobPathError(f"{flag} {path} does not exist")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the job could not append to ``path`` (creating it and its folders), or None; creates nothing."""
+    if path.is_dir():
+        return "it is a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "permission denied"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"permission denied in {parent}"
+    return None

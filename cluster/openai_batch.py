@@ -34,6 +34,10 @@ _REFUSED = {"tools": "tool calls are not supported", "tool_choice": "tool calls 
             "audio": "audio output is not supported", "modalities": "only text is supported"}
 
 
+class PromptParts(list):
+    """A completions line's list of prompts: one engine request each, one response with every choice."""
+
+
 class BatchLineError(ValueError):
     """A batch line cannot run; ``custom_id`` when the line had one."""
 
@@ -46,7 +50,7 @@ class BatchLineError(ValueError):
 class BatchRequest:
     custom_id: str
     url: str
-    prompt: str | list[int]
+    prompt: str | list[int] | PromptParts
     params: SamplingParams
     top_logprobs: int | None  # chat: logprobs=true asks for these alternatives per token
     model: str | None
@@ -115,14 +119,24 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
         if body.get("logprobs") is not None:
             params["logprobs"] = body["logprobs"]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
-            raise ValueError("body.prompt must be a string or a list of token ids")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            # Several prompts, as OpenAI and vLLM take them: choices come prompt by prompt, n each.
+            for p in prompt:
+                _check_prompt(p)
+            prompt = prompt[0] if len(prompt) == 1 else PromptParts(prompt)
+        else:
+            _check_prompt(prompt)
     response_format = body.get("response_format")
     if response_format is not None:
         params["structured_outputs"] = _response_format(response_format)
     return BatchRequest(custom_id, url, prompt, SamplingParams.from_dict(params), top_logprobs, body.get("model"))
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return
+    raise ValueError("body.prompt must be a string, a list of token ids, or a list of these")
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -182,30 +196,36 @@ def _stable_id(prefix: str, custom_id: str) -> str:
     return f"{prefix}-{hashlib.blake2b(custom_id.encode(), digest_size=12).hexdigest()}"
 
 
-def response_line(request: BatchRequest, out: RequestOutput, model_name: str) -> dict[str, Any]:
-    if out.error is not None:  # 500 for an engine-side failure (a resumed run retries it), else 400
-        return error_line(request.custom_id, out.error, status_code=500 if out.retryable else 400)
+def response_line(request: BatchRequest, out: RequestOutput | list[RequestOutput], model_name: str) -> dict[str, Any]:
+    """``out``: the request's output, or one per prompt of a line with several (``PromptParts``)."""
+    outs = out if isinstance(out, list) else [out]
+    failed = next((o for o in outs if o.error is not None), None)
+    if failed is not None:  # 500 for an engine-side failure (a resumed run retries it), else 400
+        return error_line(request.custom_id, failed.error, status_code=500 if failed.retryable else 400)
     chat = request.url == CHAT_URL
     num_top = request.params.logprobs if request.params.logprobs is not None else 0
     choices = []
-    for c in out.outputs:
-        reason = c.finish_reason.value if c.finish_reason else None
-        if chat:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _chat_logprobs(c, num_top), "finish_reason": reason,
-                            "stop_reason": c.stop_reason})
-        else:
-            choices.append({"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c, num_top),
-                            "finish_reason": reason, "stop_reason": c.stop_reason})
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    for prompt_index, one in enumerate(outs):
+        for c in one.outputs:
+            reason = c.finish_reason.value if c.finish_reason else None
+            index = prompt_index * len(one.outputs) + c.index
+            if chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": _chat_logprobs(c, num_top), "finish_reason": reason,
+                                "stop_reason": c.stop_reason})
+            else:
+                choices.append({"index": index, "text": c.text, "logprobs": _completion_logprobs(c, num_top),
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
+    completion_tokens = sum(len(c.token_ids) for one in outs for c in one.outputs)
+    prompt_tokens = sum(len(one.prompt_token_ids) for one in outs)
     body = {
         "id": _stable_id("chatcmpl" if chat else "cmpl", request.custom_id),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": request.model or model_name,
         "choices": choices,
-        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(out.prompt_token_ids) + completion_tokens},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
     }
     return {"id": _stable_id("batch_req", request.custom_id), "custom_id": request.custom_id,
             "response": {"status_code": 200, "request_id": _stable_id("req", request.custom_id), "body": body},

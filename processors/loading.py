@@ -75,7 +75,8 @@ def _check_class(obj: object, item: object) -> type[LogitsProcessor]:
 
     if not isinstance(obj, type):
         raise LogitsProcessorLoadError(
-            f"Logits processor {describe(item)} is not a class (it is a {type(obj).__name__})."
+            f"Loaded logit processor must be a type: {describe(item)} is not a class (it is a "
+            f"{type(obj).__name__})."
         )
     if not issubclass(obj, (LogitsProcessor, SlotLogitsProcessor)):
         raise LogitsProcessorLoadError(
@@ -91,7 +92,8 @@ def resolve_fqcn(name: str) -> type[LogitsProcessor]:
     module_path, _, qualname = name.partition(":")
     if not module_path or not qualname or ":" in qualname:
         raise LogitsProcessorLoadError(
-            f"Logits processor {name!r} is not a fully qualified class name; expected 'pkg.module:ClassName'."
+            f"Invalid logits processor FQCN {name!r}: not a fully qualified class name; expected "
+            "'pkg.module:ClassName'."
         )
     try:
         obj: Any = pkgutil.resolve_name(name)

@@ -136,8 +136,10 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise _fail("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}.")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids))
         self.bad_words = [] if self.bad_words is None else list(dict.fromkeys(self.bad_words))
         if self.logprobs is True:

@@ -15,6 +15,7 @@ vLLM's reasoning-aware structured output does.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +39,15 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+_XGRAMMAR_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+?\.(?:cc|cpp|h):\d+: (?:Check failed: .*? is false: )?")
+
+
+def grammar_error_reason(exc: Exception) -> str:
+    """xgrammar's message without its timestamp, C++ source path and check text: the reason alone."""
+    text = _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
+    return text or type(exc).__name__
 
 
 class GrammarCache:
@@ -75,8 +85,9 @@ class GrammarCache:
             if kind == "json":
                 schema = p.json if isinstance(p.json, str) else json.dumps(p.json)
                 return self.compiler.compile_json_schema(schema, any_whitespace=not p.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # OpenAI's JSON mode: a JSON object, not any JSON value
+                return self.compiler.compile_json_schema('{"type": "object"}',
+                                                         any_whitespace=not p.disable_any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(p.regex)
             if kind == "choice":
@@ -86,7 +97,7 @@ class GrammarCache:
                 return self.compiler.compile_grammar(p.grammar)
             return self._structural_tag(p.structural_tag)
         except Exception as exc:
-            raise ValueError(f"structured_outputs.{kind} could not be compiled: {type(exc).__name__}: {exc}") from None
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: {grammar_error_reason(exc)}") from None
 
 
     def _structural_tag(self, text: str) -> Any:
