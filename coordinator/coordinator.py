@@ -805,8 +805,8 @@ class Coordinator:
     def _finalize_text(self, request: Request) -> None:
         """Emit text still held back for an incomplete character; it may complete a stop string."""
         detok = self.detokenizers.get(request.request_id)
-        if detok is None or isinstance(request.stop_reason, str):
-            return
+        if detok is None or isinstance(request.stop_reason, str) or not detok.stop:
+            return  # without stop strings nothing here depends on the text: it is decoded when output
         detok.catch_up(request.output_token_ids)
         delta = detok.flush()
         stop = detok.find_stop(len(delta)) if delta else None
@@ -835,6 +835,8 @@ class Coordinator:
         detok = self.detokenizers.get(request.request_id)
         if detok is not None:
             detok.catch_up(request.output_token_ids)
+            if request.finished and not isinstance(request.stop_reason, str):
+                detok.flush()  # an incomplete last character too (idempotent)
         text = detok.visible_text(request.finished) if detok is not None else ""
         sent_chars, sent_tokens = self._emitted[request.request_id]
         self._emitted[request.request_id] = (len(text), len(request.output_token_ids))
