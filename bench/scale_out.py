@@ -52,6 +52,7 @@ class Run:
     seconds: float
     profiles: list[dict[str, float]]  # per engine, over the timed run
     round_trip_s: float
+    calls_cpu_s: float  # CPU of sending one small call to each of an engine's workers and collecting them
 
     @property
     def label(self) -> str:
@@ -83,6 +84,7 @@ class Run:
                  "fan-out + gather": 1000 * self.round_trip_s, "slowest worker CPU": ms("worker_cpu_s"),
                  "modelled compute": ms("simulated_s"), "stragglers": ms("straggler_s")}
         own = sum(self.own_core_seconds(p) for p in self.profiles) / steps * 1000
+        parts["coord.: W calls"] = 1000 * self.calls_cpu_s
         parts["own-core step"] = own
         parts["contention"] = parts["step (as measured)"] - own
         return parts
@@ -104,6 +106,17 @@ def idle_round_trip(engine: object, calls: int = 50) -> float:
     return statistics.median(times)
 
 
+def calls_cpu(workers: list, rounds: int = 30) -> float:
+    """Median CPU seconds of this thread to send one call to every worker and collect the answers: the
+    part of the coordinator's step that grows with its workers whatever it plans."""
+    times = []
+    for _ in range(rounds):
+        start = time.thread_time()
+        ray.get([w.ready.remote() for w in workers])
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
+
+
 def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool) -> Run:
     config = {
         "model": {"tiny": "default", "max_model_len": 256, "simulate": {"preset": preset}},
@@ -115,6 +128,7 @@ def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, com
     try:
         engine.generate(["warm up"] * engines * workers, SamplingParams(max_tokens=4))
         round_trip = idle_round_trip(engine)
+        fan_out = calls_cpu(engine.worker_handles()[:workers])
         n = 2 * rows * workers * engines
         prompts = [f"request {i} of the scaling run" for i in range(n)]
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
@@ -127,7 +141,8 @@ def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, com
     finally:
         engine.shutdown()
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
-    return Run(engines, workers, compiled, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta, round_trip)
+    return Run(engines, workers, compiled, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta, round_trip,
+               fan_out)
 
 
 def report(runs: list[Run], base: Run) -> None:
