@@ -202,10 +202,10 @@ def main() -> None:
     parser.add_argument("--preset", default="llama-8b-h100")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
     parser.add_argument("--quick", action="store_true",
-                        help="1 and 2 workers, 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
+                        help="1 worker, then 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
     args = parser.parse_args()
     if args.quick:
-        shapes = [(1, 1, False), (1, 2, False), (2, 1, False)]
+        shapes = [(1, 1, False), (2, 1, False)]
         rows, max_tokens = 8, 8
     else:
         shapes = [(1, int(w), False) for w in args.workers.split(",") if w]

@@ -165,7 +165,11 @@ def check_against_job(rows: list[dict], reference: dict) -> None:
     assert sorted(r["error"] or "" for r in by_id["dup"])[1].startswith("duplicate id 'dup'")
 
 
-def test_ray_data_parquet_in_and_out_on_two_engines(ray_cluster, reference, tmp_path):
+def test_ray_data_parquet_and_json_in_and_out_on_two_engines_one_of_which_crashes(ray_cluster, job_input,
+                                                                                  reference, tmp_path):
+    """Parquet and JSON in (one dataset), Parquet and JSON out, on a pool of 2 engine actors. One row's
+    request kills its engine's process once (a test processor exits): Ray Data restarts the actor,
+    the batch runs again, and every row comes out once, as the JSONL job wrote it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -174,38 +178,34 @@ def test_ray_data_parquet_in_and_out_on_two_engines(ray_cluster, reference, tmp_
     rows = data_rows()
     columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for row in rows for k in row)}
     pq.write_table(pa.table(columns), tmp_path / "in.parquet")
-    config = {**CONFIG, "cluster": {**CONFIG["cluster"], "num_engines": 2}}
-    processor = build_processor(config, postprocess=lambda row: {**row, "chars": len(row["generated_text"] or "")})
-    dataset = ray.data.read_parquet(str(tmp_path / "in.parquet")).repartition(2)  # a block for each engine
-    processor(dataset).write_parquet(str(tmp_path / "out"))
-    rows = pq.read_table(tmp_path / "out").to_pylist()
-    assert len(rows) == len(data_rows())
-    check_against_job(rows, reference)
-    assert all(r["chars"] == len(r["generated_text"] or "") for r in rows)
-
-
-def test_ray_data_json_in_and_a_crashed_engine_actor_is_replaced(ray_cluster, job_input, reference, tmp_path):
-    """One engine actor dies mid-batch (a test processor exits its process): Ray Data restarts it, the
-    batch runs again, and every row comes out once, as the job wrote it."""
-    from cluster.data import build_processor
-
-    source = tmp_path / "in.jsonl"
+    source = tmp_path / "in.jsonl"  # the job's own input, plus the row that crashes its engine once
     crash = {"id": "crash", "prompt": "this one kills its engine once",
              "extra_args": {"exit_once": str(tmp_path / "crashed")}}
     source.write_text(job_input.read_text() + json.dumps(crash) + "\n")
-    config = {**CONFIG, "processors": CONFIG["processors"] + ["failing_processors:ExitsOnce"]}
-    processor = build_processor(config, preprocess=lambda row: {**row, "seen": True}, batch_size=8)
-    processor(ray.data.read_json(str(source))).write_json(str(tmp_path / "out"))
-    rows = [json.loads(line) for f in sorted((tmp_path / "out").iterdir()) for line in f.read_text().splitlines()]
+    config = {**CONFIG, "processors": CONFIG["processors"] + ["failing_processors:ExitsOnce"],
+              "cluster": {**CONFIG["cluster"], "num_engines": 2}}
+    processor = build_processor(config, preprocess=lambda row: {**row, "seen": True},
+                                postprocess=lambda row: {**row, "chars": len(row["generated_text"] or "")},
+                                batch_size=8)
+    parquet = ray.data.read_parquet(str(tmp_path / "in.parquet")).map(lambda row: {**row, "source": "parquet"})
+    jsonl = ray.data.read_json(str(source)).map(lambda row: {**row, "source": "json"})
+    out = processor(parquet.union(jsonl)).materialize()
+    out.write_parquet(str(tmp_path / "out-parquet"))
+    out.write_json(str(tmp_path / "out-json"))
     assert (tmp_path / "crashed").exists()  # the engine did die
-    assert sorted(r["id"] for r in rows) == sorted([*reference, "crash"])
-    assert all(r["seen"] for r in rows)
-    by_id = {r["id"]: r for r in rows}
-    assert by_id["crash"]["error"] is None and by_id["crash"]["num_generated_tokens"] == 16
-    assert by_id["r5"]["error"].startswith("n=2")
+    written = pq.read_table(tmp_path / "out-parquet").to_pylist()
+    as_json = [json.loads(line) for f in sorted((tmp_path / "out-json").iterdir()) for line in f.read_text().splitlines()]
+    assert sorted(r["id"] for r in as_json) == sorted(r["id"] for r in written)
+    from_parquet = [r for r in written if r["source"] == "parquet"]
+    from_json = {r["id"]: r for r in written if r["source"] == "json"}
+    assert len(from_parquet) == len(rows) and len(from_json) == len(reference) + 1
+    check_against_job(from_parquet, reference)
+    assert all(r["seen"] and r["chars"] == len(r["generated_text"] or "") for r in written)
+    assert from_json["crash"]["error"] is None and from_json["crash"]["num_generated_tokens"] == 16
+    assert from_json["r5"]["error"].startswith("n=2")
     for rid, record in reference.items():
         if rid not in ("r5", "bad"):
-            assert by_id[rid]["generated_token_ids"] == record["token_ids"], rid
+            assert from_json[rid]["generated_token_ids"] == record["token_ids"], rid
 
 
 def test_the_example_parquet_holds_the_example_jsonl():
