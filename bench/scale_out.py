@@ -204,6 +204,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="1 worker, then 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
     args = parser.parse_args()
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     if args.quick:
         shapes = [(1, 1, False), (2, 1, False)]
         rows, max_tokens = 8, 8

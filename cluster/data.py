@@ -65,11 +65,13 @@ def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]
 class EngineStage:
     """The Ray Data UDF: one raysample engine per actor, a batch of rows in, the same rows plus outputs out."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None) -> None:
         from cluster.quiet import quiet_libraries
 
         quiet_libraries()
         self.config = load_config(config)
+        self.preprocess, self.postprocess = preprocess, postprocess
         if self.config.cluster.num_workers == 1:
             from cluster.local_engine import LocalEngine
 
@@ -84,7 +86,15 @@ class EngineStage:
             self._tokenizer = load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
 
     def __call__(self, batch: Any) -> Any:
-        """``batch``: a pyarrow Table; the result keeps its columns and adds ``OUTPUT_COLUMNS``."""
+        """``batch``: a pyarrow Table; the result keeps its columns and adds ``OUTPUT_COLUMNS``.
+
+        The row functions run here, not as Ray Data ``map``s: a row map infers each block's types
+        from its own rows, and blocks whose nested fields came out null in one and typed in another
+        cannot be joined into one batch."""
+        import pyarrow as pa
+
+        if self.preprocess is not None:
+            batch = pa.Table.from_pylist([self.preprocess(row) for row in batch.to_pylist()])
         rows = batch.to_pylist()
         outputs: list[Row] = [{} for _ in rows]
         submitted: list[tuple[int, str, Any, Any]] = []
@@ -119,7 +129,10 @@ class EngineStage:
                     "num_input_tokens": len(out.prompt_token_ids),
                     "error": out.error,
                 }
-        return with_output_columns(batch, outputs)
+        result = with_output_columns(batch, outputs)
+        if self.postprocess is None:
+            return result
+        return typed_like(pa.Table.from_pylist([self.postprocess(row) for row in result.to_pylist()]), result.schema)
 
     def __del__(self) -> None:
         shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
@@ -145,6 +158,17 @@ def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
     return batch
 
 
+def typed_like(table: Any, schema: Any) -> Any:
+    """Columns that came out all-null in this batch get the type they had before (when they had one)."""
+    import pyarrow as pa
+
+    for i, field in enumerate(table.schema):
+        if pa.types.is_null(field.type) and field.name in schema.names:
+            typed = schema.field(field.name)
+            table = table.set_column(i, typed, pa.nulls(table.num_rows, typed.type))
+    return table
+
+
 class Processor:
     """``processor(dataset)``: the dataset's rows through the engines, lazily, as a new ``Dataset``."""
 
@@ -163,14 +187,13 @@ class Processor:
         in_actor = cluster.num_workers == 1
         if ray.is_initialized():
             check_cluster_resources(self.config)  # in seconds, not after Ray Data waits for resources forever
-        if self.preprocess is not None:
-            dataset = dataset.map(self.preprocess)
         engines_config = self.config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
         from ray.data import ActorPoolStrategy
 
         dataset = dataset.map_batches(
             EngineStage,
-            fn_constructor_kwargs={"config": engines_config.model_dump(by_alias=True)},
+            fn_constructor_kwargs={"config": engines_config.model_dump(by_alias=True),
+                                   "preprocess": self.preprocess, "postprocess": self.postprocess},
             batch_format="pyarrow",
             batch_size=self.batch_size,
             compute=ActorPoolStrategy(size=cluster.num_engines),
@@ -179,8 +202,6 @@ class Processor:
             num_cpus=cluster.cpus_per_worker if in_actor else 0,
             num_gpus=cluster.gpus_per_worker if in_actor else 0,
         )
-        if self.postprocess is not None:
-            dataset = dataset.map(self.postprocess)
         return dataset
 
 
@@ -190,7 +211,7 @@ def build_processor(config: RaysampleConfig | dict[str, Any] | str | Path,
                     batch_size: int = DEFAULT_BATCH_SIZE) -> Processor:
     """A callable from a Ray Data ``Dataset`` to one with generations, on ``cluster.num_engines`` engines.
 
-    ``preprocess`` / ``postprocess``: row functions run before and after (Ray Data ``map``),
-    as in Ray Data LLM's ``build_processor``.
+    ``preprocess`` / ``postprocess``: row functions run before and after each row's generation
+    (inside the engine actors), as in Ray Data LLM's ``build_processor``.
     """
     return Processor(load_config(config), preprocess, postprocess, batch_size)

@@ -187,8 +187,8 @@ def test_ray_data_parquet_and_json_in_and_out_on_two_engines_one_of_which_crashe
     processor = build_processor(config, preprocess=lambda row: {**row, "seen": True},
                                 postprocess=lambda row: {**row, "chars": len(row["generated_text"] or "")},
                                 batch_size=8)
-    parquet = ray.data.read_parquet(str(tmp_path / "in.parquet")).map(lambda row: {**row, "source": "parquet"})
-    jsonl = ray.data.read_json(str(source)).map(lambda row: {**row, "source": "json"})
+    parquet = ray.data.read_parquet(str(tmp_path / "in.parquet"), include_paths=True)
+    jsonl = ray.data.read_json(str(source), include_paths=True)
     out = processor(parquet.union(jsonl)).materialize()
     out.write_parquet(str(tmp_path / "out-parquet"))
     out.write_json(str(tmp_path / "out-json"))
@@ -196,8 +196,8 @@ def test_ray_data_parquet_and_json_in_and_out_on_two_engines_one_of_which_crashe
     written = pq.read_table(tmp_path / "out-parquet").to_pylist()
     as_json = [json.loads(line) for f in sorted((tmp_path / "out-json").iterdir()) for line in f.read_text().splitlines()]
     assert sorted(r["id"] for r in as_json) == sorted(r["id"] for r in written)
-    from_parquet = [r for r in written if r["source"] == "parquet"]
-    from_json = {r["id"]: r for r in written if r["source"] == "json"}
+    from_parquet = [r for r in written if r["path"].endswith(".parquet")]
+    from_json = {r["id"]: r for r in written if r["path"].endswith(".jsonl")}
     assert len(from_parquet) == len(rows) and len(from_json) == len(reference) + 1
     check_against_job(from_parquet, reference)
     assert all(r["seen"] and r["chars"] == len(r["generated_text"] or "") for r in written)
@@ -227,3 +227,23 @@ def test_the_example_parquet_holds_the_example_jsonl():
             expected.append(line)
     rows = [_unset_nulls(row) for row in pq.read_table(examples / "prompts.parquet").to_pylist()]
     assert rows == expected
+
+
+def test_edge_lines_through_two_engines(group, tmp_path):
+    """A few of tests/test_edges.py's lines on Ray: a BOM, the duplicate rule, a run-batch list of prompts."""
+    from cluster.job import OpenAIBatchFormat
+
+    config = load_config(CONFIG)
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = {"id": "e", "prompt": "Hi", "sampling_params": {"max_tokens": 0}}
+    source.write_bytes(b"\xef\xbb\xbf" + json.dumps(line).encode() + b"\n"
+                       + json.dumps({**line, "sampling_params": {"max_tokens": 3}}).encode() + b"\n")
+    run_job(config, group, source, output, max_in_flight=4)
+    assert [r["error"] for r in map(json.loads, output.read_text().splitlines())] == [
+        "invalid sampling_params: max_tokens must be at least 1, got 0.", "duplicate id 'e': an earlier line has it"]
+    body = {"prompt": ["A", "B", "C"], "n": 2, "max_tokens": 3, "seed": 5}
+    source.write_text(json.dumps({"custom_id": "three", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    output.unlink()
+    run_job(config, group, source, output, max_in_flight=4, line_format=OpenAIBatchFormat(config))
+    [record] = map(json.loads, output.read_text().splitlines())
+    assert [c["index"] for c in record["response"]["body"]["choices"]] == list(range(6)), record

@@ -163,3 +163,19 @@ def test_python_edges():
         resolve_fqcn("processors.examples:logger")
     with pytest.raises(TypeError, match="^prompts must be a string, a list of token ids"):
         LocalEngine.generate(object.__new__(LocalEngine), None)
+
+
+def test_a_resumed_run_keeps_the_duplicate_rule(config, backend, tmp_path):
+    """The first line with an id took it in an earlier run (it failed): in the resumed run a later line
+    with that id is still a duplicate, and the first line is not run again."""
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    first = gen("e", sampling_params={"max_tokens": 0})
+    source.write_bytes(first + b"\n")
+    run_job(config, backend, source, output, max_in_flight=4)
+    source.write_bytes(first + b"\n" + gen("e") + b"\n" + gen("f") + b"\n")
+    counters = run_job(config, backend, source, output, max_in_flight=4)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [(r["id"], r["error"]) for r in records] == [
+        ("e", "invalid sampling_params: max_tokens must be at least 1, got 0."),
+        ("e", "duplicate id 'e': an earlier line has it"), ("f", None)]
+    assert counters.skipped == 1
