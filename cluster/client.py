@@ -160,8 +160,11 @@ class Engine(RequestAPI):
 
     def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
              ) -> list[RequestOutput]:
-        ref = self._actor.poll.remote(list(request_ids), timeout_s, finished_only)
-        return _call(ref, timeout_s + self.timeout_s)
+        return _call(self.poll_ref(request_ids, timeout_s, finished_only), timeout_s + self.timeout_s)
+
+    def poll_ref(self, request_ids: Sequence[str], timeout_s: float, finished_only: bool = False) -> Any:
+        """``poll`` without waiting: the Ray ref of its answer (an ``EngineGroup`` waits on several)."""
+        return self._actor.poll.remote(list(request_ids), timeout_s, finished_only)
 
     async def stream(self, prompt: PromptInput, sampling_params: Params = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -185,7 +185,7 @@ class EngineGroup(RequestAPI):
                 ids.append(rid)
             try:
                 self._send(assignments)
-            except EngineGone:
+            except Exception:  # nothing of a refused call stays tracked (or polled for)
                 for rid in ids:
                     self._finish(rid)
                 raise
@@ -241,7 +241,7 @@ class EngineGroup(RequestAPI):
             engine = self.engines[index]
             if index in self._polls or engine is None:
                 continue
-            ref = engine._actor.poll.remote(rids, timeout_s, finished_only)
+            ref = engine.poll_ref(rids, timeout_s, finished_only)
             self._polls[index] = (ref, finished_only)
 
     def _collect(self, index: int, ref: Any) -> None:

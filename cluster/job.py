@@ -399,7 +399,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
     counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path)))
     progress = Progress(counters, log_every_s)
     seen: set[str] = set()
-    in_flight: dict[str, InFlight] = {}  # engine request id -> its line
+    in_flight: dict[str, tuple[InFlight, int]] = {}  # engine request id -> its line, and which of its prompts
     shown = 0
     with _open_for_append(output_path) as sink:
 
@@ -445,9 +445,9 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     continue
                 batch.append((rid, context, prompt, params, digest))
             if batch:
-                requests = [(part_id, part, params, line) for rid, context, prompt, params, digest in batch
+                requests = [(part_id, part, params, (line, i)) for rid, context, prompt, params, digest in batch
                             for line in [InFlight(rid, context, digest, [None] * len(parts_of(prompt)))]
-                            for part_id, part in zip(part_ids(rid, prompt), parts_of(prompt))]
+                            for i, (part_id, part) in enumerate(zip(part_ids(rid, prompt), parts_of(prompt)))]
                 ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
                                           [r[0] for r in requests], final_only=True)
                 in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
@@ -455,12 +455,11 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                 for out in backend.poll(list(in_flight), 1.0, True):
                     if counters.first_result is None:
                         counters.first_result = time.monotonic()
-                    line = in_flight.pop(out.request_id)
-                    line.outs[line.outs.index(None)] = out
+                    line, index = in_flight.pop(out.request_id)
+                    line.outs[index] = out
                     if None in line.outs:
                         continue  # a line of several prompts is written when all are done
-                    rid = line.rid
-                    outs = sorted(line.outs, key=lambda o: o.request_id)  # in prompt order (ids end %p<i>)
+                    rid, outs = line.rid, line.outs
                     record = fmt.result(line.context, outs if len(outs) > 1 else outs[0])
                     failed = next((o for o in outs if o.error is not None), None)
                     if failed is not None and failed.retryable:
@@ -500,8 +499,7 @@ def part_ids(rid: Any, prompt: Any) -> list[str]:
     base = engine_request_id(id_key(rid))
     if not isinstance(prompt, PromptParts):
         return [base]
-    width = len(str(len(prompt) - 1))
-    return [f"{base}%p{i:0{width}d}" for i in range(len(prompt))]
+    return [f"{base}%p{i}" for i in range(len(prompt))]
 
 
 def positive_int(text: str) -> int:

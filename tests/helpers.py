@@ -121,3 +121,20 @@ def reference_top_k_top_p(row: torch.Tensor, params: SamplingParams) -> torch.Te
         kept = int((mass_above < params.top_p).sum())
         row[row < values[kept - 1]] = float("-inf")
     return row
+
+
+class FaultAfterFirstResults:
+    """A job backend that calls ``fault()`` once, as soon as its first results are polled (mid-job)."""
+
+    def __init__(self, backend, fault) -> None:
+        self.backend, self.fault, self.done = backend, fault, False
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def poll(self, ids, timeout_s, finished_only=False):
+        outs = self.backend.poll(ids, timeout_s, finished_only)
+        if outs and not self.done:
+            self.done = True
+            self.fault()
+        return outs

@@ -17,6 +17,7 @@ from cluster import Engine
 from cluster.config import load_config
 from cluster.engine_group import EngineGroup
 from cluster.job import LocalBackend, run_job
+from helpers import FaultAfterFirstResults
 
 CONFIG = {
     "model": {"tiny": "default", "max_model_len": 192},
@@ -105,22 +106,11 @@ def test_a_killed_engine_loses_and_duplicates_nothing(group, job_input, referenc
     output = tmp_path / "out.jsonl"
     its_workers = list(group.engines[1]._workers)
 
-    class KillsOneEngine:
-        def __init__(self) -> None:
-            self.killed = False
+    def kill_engine_1() -> None:
+        assert any(t.engine == 1 for t in group._requests.values())  # it still holds requests
+        ray.kill(group.engines[1]._actor)
 
-        def __getattr__(self, name):
-            return getattr(group, name)
-
-        def poll(self, ids, timeout_s, finished_only=False):
-            outs = group.poll(ids, timeout_s, finished_only)
-            if outs and not self.killed:
-                assert any(t.engine == 1 for t in group._requests.values())  # it still holds requests
-                self.killed = True
-                ray.kill(group.engines[1]._actor)
-            return outs
-
-    run_job(load_config(CONFIG), KillsOneEngine(), job_input, output, max_in_flight=16)
+    run_job(load_config(CONFIG), FaultAfterFirstResults(group, kill_engine_1), job_input, output, max_in_flight=16)
     assert comparable(output) == reference
     stats = group.stats()
     assert stats["engines_alive"] == 1 and stats["engines"][1] is None and stats["reruns"] > 0

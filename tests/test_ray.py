@@ -18,6 +18,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster import Engine, EngineError
+from helpers import FaultAfterFirstResults
 from cluster.local_engine import LocalEngine
 from coordinator.request import FinishReason
 from processors import SamplingParams
@@ -397,26 +398,14 @@ def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, 
     output = tmp_path / "out.jsonl"
     engine = Engine.from_config(config("retry-first"))
 
-    class KillsWorkers:
-        """The engine, whose workers are all killed once the first results are written."""
-
-        def __init__(self) -> None:
-            self.killed = False
-
-        def __getattr__(self, name):
-            return getattr(engine, name)
-
-        def poll(self, ids, timeout_s, finished_only=False):
-            outs = engine.poll(ids, timeout_s, finished_only)
-            if outs and not self.killed:
-                self.killed = True
-                for handle in engine.worker_handles():
-                    ray.kill(handle)
-            return outs
+    def kill_every_worker() -> None:
+        for handle in engine.worker_handles():
+            ray.kill(handle)
 
     try:
         with pytest.raises((EngineError, RuntimeError), match="all raysample workers are gone"):
-            run_job(config("retry-first"), KillsWorkers(), source, output, max_in_flight=6)
+            run_job(config("retry-first"), FaultAfterFirstResults(engine, kill_every_worker), source, output,
+                    max_in_flight=6)
     finally:
         engine.shutdown()
     first = [json.loads(line) for line in output.read_text().splitlines()]
