@@ -113,6 +113,27 @@ def record(out: Any) -> dict[str, Any]:
     }
 
 
+# Logprobs are recorded rounded to 4 decimals; float kernels differ between CPUs (AVX2 and AVX-512
+# take different oneDNN paths) by about 1e-5 here, so a recorded logprob is compared within this.
+# Tokens, texts, finish and stop reasons, errors and top-token ids are compared exactly.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def assert_same_record(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    """``got`` equals the recorded ``want`` exactly, except logprob values (within ``LOGPROB_TOLERANCE``)."""
+    assert got["error"] == want["error"], where
+    assert len(got["completions"]) == len(want["completions"]), where
+    for i, (g, w) in enumerate(zip(got["completions"], want["completions"])):
+        at = f"{where} completion {i}"
+        for key in ("token_ids", "text", "finish_reason", "stop_reason"):
+            assert g[key] == w[key], f"{at}: {key}"
+        assert (g["logprobs"] is None) == (w["logprobs"] is None), at
+        for j, ((token, value, top), (w_token, w_value, w_top)) in enumerate(zip(g["logprobs"] or [],
+                                                                               w["logprobs"] or [])):
+            assert (token, top) == (w_token, w_top), f"{at} position {j}: sampled/top token ids"
+            assert abs(value - w_value) <= LOGPROB_TOLERANCE, f"{at} position {j}: logprob {value} vs {w_value}"
+
+
 def main() -> None:
     golden = {name: run_setup(workers, extra) for name, workers, extra in SETUPS}
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)

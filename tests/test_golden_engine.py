@@ -6,17 +6,18 @@ import json
 
 import pytest
 
-from golden_engine import GOLDEN, SETUPS, run_setup
+from golden_engine import GOLDEN, SETUPS, assert_same_record, run_setup
 
 EXPECTED = json.loads(GOLDEN.read_text())
 
 
 @pytest.mark.parametrize("name,workers,extra", SETUPS, ids=[s[0] for s in SETUPS])
 def test_engine_reproduces_golden_outputs(name, workers, extra):
-    """Token for token, with finish reasons, stop reasons, text, logprobs and aborts; digests agree every step."""
+    """Token for token, with finish reasons, stop reasons, text and aborts; logprobs within the stated tolerance
+    (they were recorded on one CPU; other CPUs round differently); digests agree every step."""
     got = run_setup(workers, extra)
     want = EXPECTED[name]
     assert got["outputs"].keys() == want["outputs"].keys()
     for rid, expected in want["outputs"].items():
-        assert got["outputs"][rid] == expected, rid
+        assert_same_record(got["outputs"][rid], expected, rid)
     assert got["steps"] == want["steps"]  # the same schedule: preemptions, prefix hits and aborts land alike
