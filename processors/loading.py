@@ -89,12 +89,10 @@ def resolve_fqcn(name: str) -> type[LogitsProcessor]:
     """Import ``"pkg.module:Qualified.Name"`` and check it is a processor class."""
     if not isinstance(name, str) or not name.strip():
         raise LogitsProcessorLoadError(f"Logits processor name must be a non-empty string, got {name!r}.")
-    module_path, _, qualname = name.partition(":")
-    if not module_path or not qualname or ":" in qualname:
-        raise LogitsProcessorLoadError(
-            f"Invalid logits processor FQCN {name!r}: not a fully qualified class name; expected "
-            "'pkg.module:ClassName'."
-        )
+    parts = name.split(":")
+    if len(parts) != 2 or not all(part.strip() for part in parts):  # vLLM's rule, and its words
+        raise LogitsProcessorLoadError(f"Invalid logits processor FQCN {name!r}. Expected format: '<module>:<type>'")
+    module_path, qualname = parts
     try:
         obj: Any = pkgutil.resolve_name(name)
     except AttributeError as exc:

@@ -71,7 +71,7 @@ def test_examples_load_by_fqcn(cls):
     procs = build_logitsprocs(engine_config(), "cpu", False, custom=[f"processors.examples:{cls.__name__}"])
     (proc,) = _custom(procs, cls)
     check_only_enabled_rows_change(proc)
-    with pytest.raises(ValueError, match="not a fully qualified class name"):  # vLLM needs the ':'
+    with pytest.raises(ValueError, match="Expected format: '<module>:<type>'"):  # vLLM needs the ':'
         build_logitsprocs(engine_config(), "cpu", False, custom=[f"processors.examples.{cls.__name__}"])
 
 
@@ -134,8 +134,9 @@ def test_broken_entry_point_names_it(tmp_path, monkeypatch):
         ("processors.examples:DummyLogitsProcessor.inner", AttributeError, "has no attribute 'inner'"),
         ("processors.examples:logger", ValueError, "is not a class"),
         ("processors.examples:DummyPerReqLogitsProcessor", ValueError, "is not a subclass of processors.LogitsProcessor"),
-        ("justaname", ValueError, "Invalid logits processor FQCN .*not a fully qualified class name"),
-        ("processors.examples.DummyLogitsProcessor", ValueError, "Invalid logits processor FQCN .*not a fully qualified class name"),
+        ("justaname", ValueError, r"^Invalid logits processor FQCN 'justaname'\. Expected format: '<module>:<type>'$"),
+        ("processors.examples.DummyLogitsProcessor", ValueError, "^Invalid logits processor FQCN .* Expected format: "),
+        ("math:gcd:extra", ValueError, r"^Invalid logits processor FQCN 'math:gcd:extra'\. Expected format: "),
         ("", ValueError, "must be a non-empty string"),
         (int, ValueError, "is not a subclass of processors.LogitsProcessor"),
         (ProcessorSpec("processors.examples:DummyLogitsProcessor", kwargs={"bogus": 1}), ValueError,
