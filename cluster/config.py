@@ -172,9 +172,9 @@ class CacheSettings(_Section):
     model, and a CPU worker enough for every row at ``max_model_len``.
     """
 
-    # Tokens per block; default 16 on GPU, 64 on CPU (torch's decode attention reads K/V block
-    # by block, and on CPU many tiny products cost more than the padding of larger blocks; the
-    # native CPU kernel reads only valid keys, whatever the block size).
+    # Tokens per block; default 16 (prefix-cache hits land on block boundaries), 64 on CPU when decode
+    # attention runs in torch (model.decode_attention: torch), which reads K/V block by block and pays
+    # for many tiny products more than for the padding of larger blocks.
     block_size: int | None = Field(default=None, ge=1, le=1024)
     kv_cache_memory: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from workers import native_attention
-from workers.cpu_linear import prepack_available, prepack_linears
+from workers.cpu_fusion import fuse_cpu_layers
+from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
 from workers.model_support import check_model_config, verify_once
 from workers.paged_attention import (
@@ -59,8 +60,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
 
 
-def default_block_size(device: torch.device) -> int:
-    return 16 if device.type == "cuda" else 64
+def default_block_size(device: torch.device, native_decode: bool) -> int:
+    """16, as vLLM: prefix-cache hits land on 16-token boundaries (a chat template's shared system
+    prompt is often 20-30 tokens). 64 for CPU decode attention in torch, which reads whole blocks
+    and pays for many tiny products more than for the padding of larger ones."""
+    return 64 if device.type == "cpu" and not native_decode else 16
 
 
 def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -117,11 +121,10 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
         self.vocab_size = config.vocab_size
-        self.block_size = block_size or default_block_size(self.device)
-        layers, kv_heads, head_dim = kv_geometry(config)
-        self.kv_heads = kv_heads
+        self.block_size = block_size or default_block_size(self.device, self.native_decode)
+        self.num_layers, self.kv_heads, self.head_dim = kv_geometry(config)
         block_size = self.block_size
-        per_block = PagedKVCache.bytes_per_block(layers, block_size, kv_heads, head_dim, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
         self.num_blocks = self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks)
         if self.num_blocks < min_blocks:
@@ -131,15 +134,18 @@ class ModelRunner:
                 "Raise cache.kv_cache_memory / cache.gpu_memory_utilization or lower model.max_model_len."
             )
         self.last_step: PackedStep | None = None
-        self.cache = PagedKVCache(layers, self.num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
+        self.cache: PagedKVCache | None = None
+        if verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
+            verify_once(self, model_path, trust_remote_code)
+        self.cache = PagedKVCache(self.num_layers, self.num_blocks, block_size, self.kv_heads, self.head_dim,
+                                  self.dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
                     block_size, self.num_blocks * per_block / 2**20, self.device,
                     "native CPU kernel" if self.native_decode else "torch")
-        if verify:
-            verify_once(self, model_path, trust_remote_code)
-        # After the check: prepacked linears are exact to rounding, and the check compares attention.
+        # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
+        # against prepacked ones), and the check compares attention.
         if prepack_cpu_weights and prepack_available(self.device, self.dtype):
-            prepack_linears(self.model)
+            fuse_cpu_layers(self.model)
 
     def _num_blocks(self, per_block: int, kv_cache_memory: int | None, utilization: float, every_row_full: int) -> int:
         if kv_cache_memory is not None:
