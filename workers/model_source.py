@@ -155,6 +155,18 @@ def _convert(path: Path, out: Path, stored: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    if stored != "float32":
+        # A half dtype is the float32 conversion rounded once: seconds, where converting the GGUF's
+        # tokenizer again would take half a minute.
+        exact = gguf_to_transformers(path, "float32")
+        for item in exact.iterdir():
+            if item.is_file() and not item.name.startswith(".") and item.suffix != ".safetensors" \
+                    and item.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(item, out / item.name)
+        half = AutoModelForCausalLM.from_pretrained(exact, dtype=getattr(torch, stored))
+        half.config.dtype = getattr(torch, stored)
+        half.save_pretrained(out, safe_serialization=True)
+        return
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)
