@@ -42,13 +42,19 @@ MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 M
 class RowWork:
     """One row's work this step: feed ``token_ids`` at positions ``start_pos..``; logits for the last ``num_logits``.
 
-    ``block_table`` must cover every position up to ``start_pos + len(token_ids)``.
+    ``block_table`` must cover every position up to ``start_pos + len(token_ids)``. ``decode``: the row
+    feeds its last generated token (and drafts after it), not a prompt chunk. Attention for the two
+    runs in different kernels on CPU (the decode kernel, SDPA); choosing by what the tokens are, not
+    by how many a step feeds, computes a prompt token the same way whether its prompt came in one
+    chunk, in several or after a prefix-cache hit, so a seeded request's output does not depend on
+    the batch in bfloat16 either (where the two kernels round differently).
     """
 
     block_table: list[int]
     token_ids: list[int]
     start_pos: int
     num_logits: int = 1
+    decode: bool = False
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -186,7 +192,8 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long)
         # Decode rows and draft verification rows in one group: a block read once per layer serves
         # all of its row's queries, and padding one-token rows to the longest costs only compute.
-        short = [s for s in spans if s[2] <= SHORT_QUERY_LIMIT]
+        short = [s for s in spans if s[2] <= SHORT_QUERY_LIMIT and rows[s[0]].decode]
+        long_rows = [s for s in spans if not (s[2] <= SHORT_QUERY_LIMIT and rows[s[0]].decode)]
         native = None
         block_major: list[BlockMajorDecode] = []
         if short and self.native_decode:
@@ -194,7 +201,7 @@ class ModelRunner:
         elif short:
             block_major = [self._block_major(rows, short, positions)]
         groups: list[AttentionGroup] = []
-        groups += [self._group(rows, members, pos_t) for members in self._batches(rows, spans)]
+        groups += [self._group(rows, members, pos_t) for members in self._batches(rows, long_rows)]
         step = PackedStep(
             cache=self.cache,
             write_slots=self._write_slots(blocks, offsets),
@@ -238,11 +245,12 @@ class ModelRunner:
         return native
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-        """Long rows (prefill chunks) in padded batches whose mask stays under ``MASK_LIMIT`` entries."""
+        """Prefill chunks (and long verification rows) in padded batches whose mask stays under
+        ``MASK_LIMIT`` entries."""
         batches: list[list[tuple[int, int, int]]] = []
         current: list[tuple[int, int, int]] = []
         queries = keys = 0
-        for span in sorted((s for s in spans if s[2] > SHORT_QUERY_LIMIT), key=lambda s: s[2]):
+        for span in sorted(spans, key=lambda s: s[2]):
             q, k = max(queries, span[2]), max(keys, rows[span[0]].start_pos + span[2])
             if current and (len(current) + 1) * q * k > MASK_LIMIT:
                 batches.append(current)

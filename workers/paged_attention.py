@@ -10,12 +10,13 @@ what transformers passes to every attention function: ``sliding_window``,
 Anything else that would change attention is refused (``UnsupportedAttention``)
 rather than ignored.
 
-Rows are attended in groups: rows of up to ``SHORT_QUERY_LIMIT`` queries (decode,
-draft verification) together, and long rows (prefill chunks) in padded batches, so
-no mask grows as rows x queries x keys with the longest prompt of the batch. The
-short rows go to the C++ CPU kernel (``NativeDecode``) where it is in use, else to
-one block-major group padded to the longest, reading each KV block once where it
-lies (any device; also the kernel's reference in the tests).
+Rows are attended in groups: decode rows (the last generated token, plus drafts to
+verify, up to ``SHORT_QUERY_LIMIT`` queries) together, and prompt chunks in padded
+batches (SDPA), so no mask grows as rows x queries x keys with the longest prompt of
+the batch. The decode rows go to the C++ CPU kernel (``NativeDecode``) where it is in
+use, else to one block-major group padded to the longest, reading each KV block once
+where it lies (any device; also the kernel's reference in the tests). Which kernel a
+token meets depends on what it is, never on how its prompt was chunked.
 """
 
 from __future__ import annotations
