@@ -204,7 +204,7 @@ def _paged_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     try:
         first = runner.forward([RowWork(table, tokens[:split], 0, 1)])
         rest = runner.forward([RowWork(table, tokens[split:-1], split, len(tokens) - 1 - split)])
-        last = runner.forward([RowWork(table, tokens[-1:], len(tokens) - 1, 1)])
+        last = runner.forward([RowWork(table, tokens[-1:], len(tokens) - 1, 1, decode=True)])
     except UnsupportedAttention as exc:
         raise UnsupportedAttention(f"{arch}: {exc}") from None
     except Exception as exc:
