@@ -114,14 +114,17 @@ class EngineCore:
     def _new_worker(self, index: int) -> Any:
         return launch_worker(self.config, self.placement, index)
 
-    def _replace(self, gone: list[int]) -> dict[int, Any]:
-        """New workers for dead or hung ones, on the same bundles, while the budget lasts."""
-        budget = self.config.cluster.max_worker_replacements - self.replacements
+    def _replace(self, gone: list[int], counted: bool = True) -> dict[int, Any]:
+        """New workers for dead or hung ones, on the same bundles, while the budget lasts.
+
+        ``counted=False``: the engine was running suspects apart (``coordinator.quarantine``), so the
+        failure was a request's doing, not the workers': it does not use up the budget."""
+        budget = self.config.cluster.max_worker_replacements - self.replacements if counted else len(gone)
         if len(gone) > budget:
             logger.warning("workers %s are not replaced: cluster.max_worker_replacements=%d reached",
                            gone[budget:], self.config.cluster.max_worker_replacements)
         started = {i: self._new_worker(i) for i in gone[:max(budget, 0)]}
-        self.replacements += len(started)
+        self.replacements += len(started) if counted else 0
         fresh: dict[int, Any] = {}
         deadline = time.monotonic() + self.config.cluster.startup_timeout_s
         for i, worker in started.items():  # they load in parallel, within one start-up timeout
@@ -363,17 +366,18 @@ class EngineCore:
             return list(ray.get(list(pending.values()), timeout=self.timeout_s))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # find who failed, one by one (a hung one has used up the deadline already)
-        results, gone, raised = [], [], []
+        results, gone, raised, hung = [], [], [], False
         for i, ref in pending.items():
             try:
                 results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except _WORKER_GONE as exc:
                 logger.warning("worker %d is gone (%s)", i, type(exc).__name__)
                 gone.append(i)
+                hung |= isinstance(exc, ray.exceptions.GetTimeoutError)
             except ray.exceptions.RayTaskError as exc:
                 raised.append(getattr(exc, "cause", exc))
         if gone:
-            self._recover(gone)
+            self._recover(gone, f"hung (no answer in {self.timeout_s:.0f}s)" if hung else "died")
             return None
         if raised:
             self._fail_step(raised[0])
@@ -399,7 +403,7 @@ class EngineCore:
             else:
                 self._teardown()
                 gone = [i for i, w in self.workers.items() if not self._alive(w)]
-            self._recover(gone)
+            self._recover(gone, f"hung (no answer in {self.timeout_s:.0f}s)" if hung else "died")
             return None
 
     def _alive(self, worker: Any) -> bool:
@@ -409,8 +413,11 @@ class EngineCore:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             return False
 
-    def _recover(self, gone: list[int]) -> None:
-        """Drop dead or hung workers, start replacements, reset the others, re-admit every running request."""
+    def _recover(self, gone: list[int], cause: str) -> None:
+        """Drop dead or hung workers, start replacements, reset the others, re-admit every running
+        request; the requests the lost workers held are suspects (``coordinator.quarantine``)."""
+        with self.lock:
+            probing = self.coordinator.worker_failed(gone, cause, [i for i in self.workers if i not in gone])
         for i in gone:
             ray.kill(self.workers.pop(i), no_restart=True)
         survivors = dict(self.workers)
@@ -427,7 +434,7 @@ class EngineCore:
                     ray.kill(w, no_restart=True)
                     gone.append(i)
             self.workers = alive
-        self.workers.update(self._replace(sorted(set(gone))))
+        self.workers.update(self._replace(sorted(set(gone)), counted=not probing))
         self.workers = dict(sorted(self.workers.items()))
         with self.lock:
             self.recoveries += 1
@@ -435,12 +442,14 @@ class EngineCore:
                 self._fail("all raysample workers are gone; pending requests cannot be served")
                 return
             self._compile()
-            requeued = self.coordinator.requeue_running(list(self.workers))
-            logger.warning("re-admitted %d running requests on workers %s", requeued, sorted(self.workers))
+            self.coordinator.scheduler.set_workers(list(self.workers))
+            self._publish(self.coordinator.take_outputs())
+            logger.warning("re-admitted the running requests on workers %s", sorted(self.workers))
 
     def _fail_step(self, cause: BaseException) -> None:
-        """A worker raised (e.g. a processor): fail the requests that enable it when known, else
-        the step's batch; reset the workers and re-admit the others; the engine keeps serving."""
+        """A worker raised (a processor, the sampler, the model): fail the requests that enable it when
+        known, else make the step's requests suspects (``coordinator.quarantine``); reset the workers
+        and re-admit the others; the engine keeps serving."""
         with self.lock:
             self.coordinator.fail_step(getattr(cause, "rows", None), f"step failed: {cause}", list(self.workers))
             self._publish(self.coordinator.take_outputs())

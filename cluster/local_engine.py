@@ -30,6 +30,50 @@ from workers.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+class WorkerHung(RuntimeError):
+    def __init__(self, worker: int, timeout_s: float) -> None:
+        super().__init__(f"worker {worker} did not finish its step within {timeout_s:.0f}s")
+        self.worker, self.timeout_s = worker, timeout_s
+
+
+class StepWatchdog:
+    """Runs the workers' steps on a thread of its own, so a call that never returns (a processor
+    stuck for one request) ends the wait after ``cluster.call_timeout_s`` as it does on Ray. A
+    Python thread cannot be killed: the stuck one is abandoned with the worker it holds, and told
+    not to touch any other worker when it wakes."""
+
+    def __init__(self, workers: list[Worker], timeout_s: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.workers = list(workers)
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-local-step")
+        self._current = -1
+
+    def run(self, plan: Any) -> list[Any]:
+        import threading
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        cancelled = threading.Event()
+
+        def steps() -> list[Any]:
+            results = []
+            for i, worker in enumerate(self.workers):
+                if cancelled.is_set():
+                    return results
+                self._current = i
+                results.append(worker.step(plan))
+            return results
+
+        future = self._pool.submit(steps)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            cancelled.set()
+            self._pool.shutdown(wait=False)
+            raise WorkerHung(self._current, self.timeout_s) from None
+
+
 
 def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
     """A GPU when the config asks for one; asking for one that this process cannot see is an error."""
@@ -50,7 +94,7 @@ class LocalEngine(RequestAPI):
             from cluster.preflight import local_engines_message
 
             raise ValueError(local_engines_message(self.config))
-        model_path = self.config.model.resolve_path()
+        model_path = self.model_path = self.config.model.resolve_path()
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             set_cpu_threads()  # the workers run one after another here: each may use every usable core
         self.workers = [
@@ -59,6 +103,8 @@ class LocalEngine(RequestAPI):
         ]
         num_blocks = min(w.runner.num_blocks for w in self.workers)
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, self.workers[0].runner.block_size)
+        self._watchdog = StepWatchdog(self.workers, self.config.cluster.call_timeout_s)
+        self.replacements = 0
         logger.info("%s", self.coordinator.kv_summary())
         self._outputs: dict[str, list[RequestOutput]] = {}  # made by steps, not yet polled
 
@@ -84,15 +130,41 @@ class LocalEngine(RequestAPI):
             self.coordinator.wait_for_grammars(0.05)
             return self.coordinator.take_outputs()
         try:
-            results = [worker.step(plan) for worker in self.workers]
-        except LogitsProcessorError as exc:  # fail who enables the processor; the engine goes on
-            self.coordinator.fail_step(exc.rows, f"step failed: {exc}", range(len(self.workers)))
+            results = self._watchdog.run(plan)
+        except WorkerHung as hung:  # a worker's call never returned: replace it, find who caused it
+            probing = self.coordinator.worker_failed([hung.worker], f"hung (no answer in {hung.timeout_s:.0f}s)",
+                                                     range(len(self.workers)))
+            self._replace(hung.worker, counted=not probing)
+            return self.coordinator.take_outputs()
+        except Exception as exc:  # a processor, the sampler or the model raised: only its requests fail
+            rows = exc.rows if isinstance(exc, LogitsProcessorError) else None
+            text = str(exc) if isinstance(exc, LogitsProcessorError) else f"{type(exc).__name__}: {exc}"
+            self.coordinator.fail_step(rows, f"step failed: {text}", range(len(self.workers)))
             for worker in self.workers:
                 worker.reset()
             return self.coordinator.take_outputs()
         if plan.audit:
             check_consistency(plan.step, results)
         return self.coordinator.process(plan, results)
+
+    def _replace(self, index: int, counted: bool) -> None:
+        """A new worker ``index`` (the hung one is abandoned to its thread); the others are reset.
+
+        Replacements count against ``cluster.max_worker_replacements`` unless the engine was running
+        suspects apart (``counted=False``): then the failure was a request's, not the worker's."""
+        cluster = self.config.cluster
+        if counted and self.replacements >= cluster.max_worker_replacements:
+            self.coordinator.fail_all(f"worker {index} hung and cluster.max_worker_replacements="
+                                      f"{cluster.max_worker_replacements} is reached; pending requests cannot be served")
+            raise RuntimeError("all raysample workers are gone; pending requests cannot be served")
+        self.replacements += counted
+        logger.warning("worker %d hung; replacing it", index)
+        self.workers[index] = Worker.from_config(index, self.config, self.model_path,
+                                                 local_device(self.config, index))
+        self._watchdog = StepWatchdog(self.workers, self.config.cluster.call_timeout_s)
+        for i, worker in enumerate(self.workers):
+            if i != index:
+                worker.reset()
 
     # ----- the RequestAPI primitives (submit, results and generate come from there) -----
 

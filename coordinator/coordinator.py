@@ -25,6 +25,7 @@ from coordinator.kv_blocks import KVCacheManager
 from coordinator.ngram_batch import BatchNgramDrafter
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
+from coordinator.quarantine import Quarantine
 from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 from coordinator.request import (
     CompletionOutput,
@@ -130,6 +131,8 @@ class Coordinator:
         if self._drafts is not None:
             self.scheduler.table.on_release = self._drafts.release
         self.batch = PersistentBatch(max_num_seqs)
+        self.quarantine = Quarantine()
+        self.scheduler.admits = lambda request: self.quarantine.admits(request.group.request_id)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
         self.rows: dict[str, Request] = {}  # by row id (a child of an n > 1 request has its own)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -311,6 +314,7 @@ class Coordinator:
             request.finish(FinishReason.ABORT)
             self._finalize_text(request)
         self._pending_outputs[request_id] = group
+        self.quarantine.finished(request_id)
         return True
 
     def kv_summary(self) -> str:
@@ -380,16 +384,49 @@ class Coordinator:
                 self._mark_done(request)
                 self._finalize_text(request)
                 self._pending_outputs[request.group.request_id] = request.group
+                self._left(request)
 
     def fail_step(self, rows: Sequence[int] | None, message: str, alive_workers: Sequence[int]) -> list[str]:
-        """A processor failed this step: fail the requests of ``rows`` (every row when unknown) and
-        re-admit the others with the tokens they have, exactly as after a worker failure. Workers
-        must be reset. Returns the failed row ids."""
+        """A step raised: fail the requests of ``rows`` when the error names them; otherwise every
+        request of the step is a suspect (``Quarantine``). Everyone else is re-admitted with the
+        tokens they have, exactly as after a worker failure. Workers must be reset. Returns the
+        failed row ids."""
         ids = self.batch.request_ids()
-        failed = [ids[r] for r in rows if 0 <= r < len(ids)] if rows else ids
-        self.fail_requests(failed, message, retryable=not rows)  # unattributed: maybe not theirs
+        if rows:
+            failed = [ids[r] for r in rows if 0 <= r < len(ids)]
+            self.fail_requests(failed, message)
+        else:
+            failed = self._suspected(ids, message)
         self.requeue_running(alive_workers)
         return failed
+
+    def worker_failed(self, workers: Sequence[int], cause: str, alive_workers: Sequence[int]) -> bool:
+        """Workers died or hung: the requests they held are suspects (``Quarantine``), every running
+        request is re-admitted on the live workers. Returns whether suspects were running apart
+        when it happened (finding a poison request: not the workers' own fault)."""
+        probing = self.quarantine.active is not None
+        table = self.scheduler.table
+        held = [e.request_id for e in self.batch.entries()
+                if int(table.owner[self.rows[e.request_id].slot]) in set(workers)]
+        self._suspected(held, f"a worker {cause}")
+        self.requeue_running(alive_workers)
+        return probing
+
+    def _suspected(self, row_ids: Sequence[str], cause: str) -> list[str]:
+        """These rows were present at a failure no request explains; fail the requests the
+        quarantine convicts. Returns the failed row ids."""
+        groups = list(dict.fromkeys(self.rows[r].group.request_id for r in row_ids))
+        failed = []
+        for group_id in self.quarantine.failed(groups):
+            rows = [c.request_id for c in self.requests[group_id].children if not c.finished]
+            self.fail_requests(rows, self.quarantine.message(cause))
+            failed += rows
+        return failed
+
+    def _left(self, request: Request) -> None:
+        """A request's group has no unfinished row left: it is nobody's suspect any more."""
+        if request.group is not None and request.group.finished:
+            self.quarantine.finished(request.group.request_id)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (no worker left, replicas diverged)."""
@@ -402,6 +439,7 @@ class Coordinator:
             self.scheduler.release(self.rows[entry.request_id])
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove, self._last_tokens, self._last_counts, self._plan_slots = [], EMPTY, None, EMPTY
+        self.quarantine = Quarantine()
         return self.take_outputs()
 
     # ----- one step -----
@@ -551,6 +589,13 @@ class Coordinator:
         generated_before = self.metrics.generated_tokens
         computed = plan.start + plan.num_tokens
         live = ~table.done[slots]
+        for result in results:  # rows that could not be sampled: their request fails, no one else's
+            for row, message in result.errors.items():
+                if live[row]:
+                    live[row] = False
+                    request = table.requests[slots[row]]
+                    request.finish(FinishReason.ERROR, error=message)
+                    self._finished_row(request)
         samples = computed >= table.total[slots]
         chunk = live & ~samples  # a prefill chunk: its sample is not a token
         table.computed[slots[chunk]] = computed[chunk]
@@ -731,6 +776,7 @@ class Coordinator:
     def _finished_row(self, request: Request) -> None:
         """A row finished this step: it leaves the batch at the next plan; its output is due."""
         self._mark_done(request)
+        self._left(request)
         self._to_remove.append(request.request_id)
         if request.group.finished or not request.group.final_only:
             self._pending_outputs[request.group.request_id] = request.group

@@ -92,6 +92,8 @@ class Scheduler:
         self.load = [0] * num_workers  # running requests per worker
         self.alive = set(range(num_workers))
         self.num_preemptions = 0
+        # Which waiting requests may be admitted now (the coordinator's quarantine); None: all.
+        self.admits: Callable[[Request], bool] | None = None
 
     @property
     def num_workers(self) -> int:
@@ -191,6 +193,8 @@ class Scheduler:
                 break
             if not request.constraint_ready():
                 continue  # its grammar is still compiling: later requests go first
+            if self.admits is not None and not self.admits(request):
+                continue  # suspects of an engine failure run apart from everyone else
             if request.request_id in preempted_ids or not request.admissible():
                 break
             owner = self._owner_for(request)

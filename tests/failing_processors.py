@@ -99,3 +99,83 @@ class ExitsOnce(AdapterLogitsProcessor):
             open(marker, "w").close()
             os._exit(1)
         return None
+
+
+class NonFinite(_Tagged):
+    """``boom: "nan"`` / ``"inf"``: that request's row becomes NaN, or gets a +inf, a buggy processor's way."""
+
+    tag = "nan"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row in self.tagged:
+            logits[row] = float("nan")
+        return logits
+
+
+class PlusInf(NonFinite):
+    tag = "inf"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row in self.tagged:
+            logits[row, 7] = float("inf")
+        return logits
+
+
+class BoomLate(_Tagged):
+    """``boom: "late"``: raises once this instance has applied to a tagged request three times. A fresh
+    instance replaying one request never gets there, so the failure names no request: the engine's
+    quarantine must find the culprit."""
+
+    tag = "late"
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        super().__init__(vllm_config, device, is_pin_memory)
+        self.applied = 0
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tagged:
+            self.applied += 1
+            if self.applied >= 3:
+                self.applied = 0
+                raise RuntimeError("failed for a request it does not name")
+        return logits
+
+
+class HangsAtThirdToken(AdapterLogitsProcessor):
+    """``hang: true``: the per-request callable sleeps ``RAYSAMPLE_TEST_HANG_S`` seconds (default 60) when
+    its request has three output tokens, as a processor stuck on one request would."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if not (params.extra_args or {}).get("hang"):
+            return None
+
+        def maybe_hang(output_ids, logits):
+            if len(output_ids) == 3:
+                import os
+                import time
+
+                time.sleep(float(os.environ.get("RAYSAMPLE_TEST_HANG_S", "60")))
+            return logits
+        return maybe_hang
+
+
+class ExitsAtThirdToken(AdapterLogitsProcessor):
+    """``exit: true``: the process running it dies (``os._exit``) when its request has three output tokens."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if not (params.extra_args or {}).get("exit"):
+            return None
+
+        def maybe_exit(output_ids, logits):
+            if len(output_ids) == 3:
+                import os
+
+                os._exit(3)
+            return logits
+        return maybe_exit

@@ -22,7 +22,9 @@ from helpers import FaultAfterFirstResults
 CONFIG = {
     "model": {"tiny": "default", "max_model_len": 192},
     "scheduler": {"max_num_seqs": 8},
-    "processors": ["processors.examples:DummyLogitsProcessor"],
+    # NonFinite makes r7's logits NaN; BoomLate fails steps with r9 without naming it (the quarantine finds it).
+    "processors": ["processors.examples:DummyLogitsProcessor", "failing_processors:NonFinite",
+                   "failing_processors:BoomLate"],
     "cluster": {"num_workers": 1, "call_timeout_s": 60},
 }
 
@@ -40,6 +42,8 @@ def lines() -> list[dict]:
         line = {"id": f"r{i}", "prompt": f"request number {i} about data parallel engines", "sampling_params": params}
         if i == 6:
             line["extra_args"] = {"target_token": 42}
+        if i in (7, 9):  # one request alone fails, however many engines there are; no one else does
+            line["extra_args"] = {"boom": "nan" if i == 7 else "late"}
         out.append(line)
     out.append({"id": "bad", "prompt": "x", "sampling_params": {"temperature": -1}})
     return out
@@ -93,7 +97,9 @@ def test_two_engines_write_the_records_of_one(group, job_input, reference, tmp_p
     output = tmp_path / "out.jsonl"
     counters = run_job(load_config(CONFIG), group, job_input, output, max_in_flight=16)
     assert comparable(output) == reference
-    assert counters.done == 14 and counters.errors == 1
+    assert counters.done == 12 and counters.errors == 3
+    assert "its logits contain NaN after logits processor failing_processors.NonFinite" in reference["r7"]["error"]
+    assert "made the engine fail on its own" in reference["r9"]["error"] and not reference["r9"].get("retryable")
     stats = group.stats()
     per_engine = [sum(s["finished"].values()) for s in stats["engines"]]
     assert all(n >= 4 for n in per_engine), per_engine  # both engines took a share
@@ -143,6 +149,9 @@ def check_against_job(rows: list[dict], reference: dict) -> None:
         if rid in ("r5", "bad"):
             continue
         [row] = by_id[rid]
+        if record["error"] is not None:  # the requests that fail alone (r7, r9): the same error
+            assert row["error"] == record["error"], (row, record)
+            continue
         assert row["error"] is None, row
         assert list(row["generated_token_ids"]) == record["token_ids"], rid
         assert (row["generated_text"], row["finish_reason"]) == (record["text"], record["finish_reason"])
@@ -195,7 +204,8 @@ def test_ray_data_parquet_and_json_in_and_out_on_two_engines_one_of_which_crashe
     assert from_json["r5"]["error"].startswith("n=2")
     for rid, record in reference.items():
         if rid not in ("r5", "bad"):
-            assert from_json[rid]["generated_token_ids"] == record["token_ids"], rid
+            assert from_json[rid]["generated_token_ids"] == record["token_ids"] or record["error"], rid
+            assert from_json[rid]["error"] == record["error"], rid
 
 
 def test_the_example_parquet_holds_the_example_jsonl():

@@ -297,6 +297,37 @@ def test_a_failing_processor_fails_only_its_requests_on_ray(ray_cluster):
         engine.shutdown()
 
 
+def test_one_request_never_takes_down_another_on_ray(ray_cluster):
+    """NaN logits, a processor that fails steps without naming its request, one that hangs for a minute
+    and one whose request kills the worker's process: only those four requests fail; the others
+    finish exactly as in a clean run, and finding the culprits uses up no worker replacement."""
+    processors = ["failing_processors:NonFinite", "failing_processors:BoomLate",
+                  "failing_processors:HangsAtThirdToken", "failing_processors:ExitsAtThirdToken"]
+    extra = {"processors": processors, "speculative": None, "reasoning": None}
+    params = [SamplingParams(seed=i, temperature=0.8 if i % 2 else 0.0, max_tokens=12, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    clean = [o.token_ids for o in LocalEngine(base_config(cluster={"num_workers": 1}, **extra)).generate(PROMPTS, params)]
+    culprits = [SamplingParams(max_tokens=20, extra_args=extra_args) for extra_args in
+                ({"boom": "nan"}, {"boom": "late"}, {"hang": True}, {"exit": True})]
+    engine = start("isolation", cluster={"num_workers": 2, "call_timeout_s": 4, "max_worker_replacements": 2},
+                   scheduler={"max_num_seqs": 10}, **extra)
+    try:
+        outs = engine.generate(PROMPTS + [f"culprit {i}" for i in range(4)], params + culprits)
+        for i, out in enumerate(outs[: len(PROMPTS)]):
+            assert out.error is None and out.token_ids == clean[i], (i, out.error)
+        nan, late, hang, dies = outs[len(PROMPTS):]
+        assert "its logits contain NaN after logits processor failing_processors.NonFinite" in nan.error
+        assert "made the engine fail on its own" in late.error and "does not name" in late.error
+        assert "made the engine fail on its own" in hang.error and "a worker hung" in hang.error
+        assert "made the engine fail on its own" in dies.error and "a worker died" in dies.error
+        assert not any(o.retryable for o in outs)
+        stats = engine.stats()
+        assert stats["error"] is None and stats["workers_alive"] == 2
+        assert engine.generate(PROMPTS[0], params[0])[0].token_ids == clean[0]
+    finally:
+        engine.shutdown()
+
+
 def scrape(engine_name: str) -> dict[str, float]:
     """Ray's Prometheus endpoint on the head: raysample samples of one engine, name{finish_reason} -> value."""
     import urllib.request

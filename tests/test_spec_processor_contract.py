@@ -134,7 +134,7 @@ def test_entries_deleted_while_drafts_were_visible_come_back(monkeypatch, contra
     for row, tokens in enumerate(result.tokens):  # the next step: accepted tokens join the lists
         sampler.rows["output"][row].extend(tokens)
     sampler.update_state(None)
-    _, chosen = sampler.process(_logits({1: 9}, {5: 10, 3: 9}), slice(0, 2))
+    _, chosen, _ = sampler.process(_logits({1: 9}, {5: 10, 3: 9}), slice(0, 2))
     assert int(chosen[1]) == (3 if contract else 5)
 
 

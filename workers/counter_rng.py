@@ -112,9 +112,10 @@ def _sparse_argmax(logits: torch.Tensor, base: torch.Tensor, candidates: torch.T
     return out.scatter_reduce_(0, r[winner], t[winner], "amin")
 
 
-def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """Fills ``row_max`` (rows, 1) with each row's maximum; a row where it is not finite gets token 0."""
     rows, vocab = logits.shape
-    row_max = logits.amax(dim=-1, keepdim=True)
+    torch.amax(logits, dim=-1, keepdim=True, out=row_max)
     candidates = logits >= row_max - GUMBEL_SPAN
     counts = candidates.view(torch.uint8).sum(dim=-1, dtype=torch.int32)
     sparse = counts <= max(1, int(vocab * _SPARSE_FRACTION))
@@ -125,20 +126,24 @@ def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     if not bool(sparse.all()):
         idx = (~sparse).nonzero(as_tuple=True)[0]
         out[idx] = _dense_argmax(logits[idx], base[idx])
-    return out.masked_fill_(torch.isneginf(row_max.squeeze(1)), 0)
+    return out.masked_fill_(~torch.isfinite(row_max.squeeze(1)), 0)
 
 
-def gumbel_argmax(logits: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
+                  row_max: torch.Tensor | None = None) -> torch.Tensor:
     """argmax(logits + Gumbel(base, token id)) per row: an exact sample of softmax(logits).
 
     ``rows`` (local indices) picks the rows to sample, ``base`` has one entry
-    per picked row. Rows whose every logit is -inf return token 0.
+    per picked row. ``row_max``, if given (one float32 per picked row), receives each row's
+    maximum logit, computed here anyway: NaN, +inf or -inf exactly when the row has a NaN, a +inf
+    or every token masked. Such a row returns token 0 (the caller fails its request).
     """
     n = logits.shape[0] if rows is None else rows.numel()
     step = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    maxima = row_max.view(n, 1) if row_max is not None else torch.empty(n, 1, dtype=logits.dtype, device=logits.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
         chunk = logits[start:stop] if rows is None else logits.index_select(0, rows[start:stop])
-        out[start:stop] = _argmax_chunk(chunk, base[start:stop])
+        out[start:stop] = _argmax_chunk(chunk, base[start:stop], maxima[start:stop])
     return out

@@ -33,6 +33,9 @@ from workers.sampler import Sampler, TokenLogprobs
 class DraftVerification:
     tokens: list[list[int]]  # per shard row: 1..k+1 emitted tokens
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Rows that could not be sampled at some position (``SamplerOutput.errors``), by batch row; their
+    # tokens are a placeholder [0].
+    errors: dict[int, str] = field(default_factory=dict)
 
     def accepted_drafts(self, row: int) -> int:
         return len(self.tokens[row]) - 1
@@ -55,6 +58,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
     emitted: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprobs] | None] = [[] if i in logprob_local else None for i in range(n)]
     done = np.zeros(n, dtype=bool)
+    errors: dict[int, str] = {}
     appended = [0] * sampler.batch_size
     snapshots = sampler.draft_snapshot() if any(drafts) else []
     try:
@@ -72,13 +76,26 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
             index = torch.from_numpy(offsets + np.minimum(j, counts)).to(logits.device)
             step_logits = logits.index_select(0, index)
             raw = step_logits.clone() if logprob_local else None
-            processed, chosen = sampler.process(step_logits, rows, {r: c for r, c in enumerate(appended) if c})
+            tracker = sampler.tracker()
+            processed, chosen, row_max = sampler.process(step_logits, rows,
+                                                         {r: c for r, c in enumerate(appended) if c}, tracker)
             tokens = chosen.clone()
             random_rows = active[~greedy[active]]
             if random_rows.size:
                 index = torch.from_numpy(random_rows).to(tokens.device)
                 sub = processed.index_select(0, torch.from_numpy(random_rows).to(processed.device))
-                tokens[index] = sampler.sample_rows(sub, random_rows + rows.start).to(tokens.device)
+                random_max = torch.empty(random_rows.size, dtype=sub.dtype, device=sub.device)
+                tokens[index] = sampler.sample_rows(sub, random_rows + rows.start, row_max=random_max).to(tokens.device)
+                before = row_max[index]
+                row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
+            is_active = torch.zeros(n, dtype=torch.bool, device=row_max.device)
+            is_active[torch.from_numpy(active).to(row_max.device)] = True
+            bad_here = sampler.row_errors(row_max, rows, tracker, only=is_active)
+            if bad_here:
+                for row, message in bad_here.items():
+                    errors.setdefault(row, message)
+                    done[row - rows.start] = True
+                active = active[~done[active]]
             finished_here = np.zeros(n, dtype=bool)
             has_draft = active[counts[active] > j]
             if has_draft.size:
@@ -102,4 +119,6 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
                 del outputs[r][-count:]
         if any(appended):
             sampler.draft_restore(snapshots)
-    return DraftVerification(tokens=emitted, logprobs=lps)
+    for row in errors:  # placeholders: the request fails, these tokens are never used
+        emitted[row - rows.start], lps[row - rows.start] = [0], None
+    return DraftVerification(tokens=emitted, logprobs=lps, errors=errors)

@@ -22,7 +22,7 @@ view whose other rows are filler.
 from __future__ import annotations
 
 import copy
-
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +98,62 @@ class TokenLogprobs:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # (num_rows,) int64, rows of the call in order
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by persistent-batch row
+    # Rows that cannot be sampled (NaN, +inf, or every token masked), by persistent-batch row: why.
+    # Their token is 0 and must not be used; every other row sampled as if they were not there.
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+MODEL_STAGE = "the model's forward"
+CONSTRAINTS_STAGE = "this request's constraints"
+
+
+class BadRowTracker:
+    """Which stage first left each row with a non-finite maximum: the model's logits, the constraint
+    stages and each user processor's output are checked (one ``amax`` each; builtins are fed
+    validated parameters). A row found bad is set to zeros, so no later stage trips over it (it is
+    condemned already). Kept on the device; read only when some row went bad."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.first: torch.Tensor | None = None  # (rows,) index into names, -1 while the row is fine
+        self.value: torch.Tensor | None = None  # (rows,) the row's maximum when it was found bad
+
+    def check(self, name: str, logits: torch.Tensor) -> None:
+        row_max = logits.amax(dim=-1)
+        bad = ~torch.isfinite(row_max)
+        if self.first is None:
+            self.first = torch.full(bad.shape, -1, dtype=torch.int32, device=bad.device)
+            self.value = torch.zeros_like(row_max)
+        new = (self.first < 0) & bad
+        self.first = torch.where(new, len(self.names), self.first)
+        self.value = torch.where(new, row_max, self.value)
+        self.names.append(name)
+        logits.masked_fill_(bad.unsqueeze(1), 0.0)
+
+    def stage_of(self, local_row: int) -> str | None:
+        if self.first is None:
+            return None
+        index = int(self.first[local_row])
+        return self.names[index] if index >= 0 else None
+
+
+def describe_bad_row(row_max: float, stage: str | None) -> str:
+    """Why a row cannot be sampled, from its maximum logit and the first stage that left it so."""
+    if math.isnan(row_max):
+        what = "its logits contain NaN"
+    elif row_max > 0:
+        what = "its logits contain +inf"
+    else:
+        what = "every token is masked (-inf)"
+    if stage == MODEL_STAGE:
+        where = f" in {MODEL_STAGE}"
+    elif stage == CONSTRAINTS_STAGE or (stage is None and row_max < 0):
+        where = f" by {CONSTRAINTS_STAGE} (allowed_token_ids, bad_words, structured outputs, ...)"
+    elif stage is not None:
+        where = f" after logits processor {stage}"
+    else:
+        where = ""
+    return f"this request cannot be sampled: {what}{where}; the other requests of the step were not affected"
 
 
 def processor_name(proc: object) -> str:
@@ -131,6 +187,9 @@ class Sampler:
         self.logitsprocs = build_logitsprocs(config, self.device, is_pin_memory, False,
                                              [ProcessorSpec(cls, kw) for cls, kw in batch_level], entry_points=False)
         self.slot_processors = SlotProcessorHost(config, self.device, slot_keyed)
+        custom = tuple(cls for cls, _ in batch_level)
+        # User code: the stages whose output is checked for NaN/inf (``BadRowTracker``).
+        self._user_stages = {id(p) for p in self.logitsprocs.all if isinstance(p, custom)}
         self.penalties = PenaltiesLogitsProcessor(*args)
         self.temperature = TemperatureLogitsProcessor(*args)
         self.top_k_top_p = TopKTopPLogitsProcessor(*args)
@@ -339,20 +398,25 @@ class Sampler:
 
     # ----- sampling -----
 
-    def _run(self, proc: LogitsProcessor, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+    def _run(self, proc: LogitsProcessor, logits: torch.Tensor, rows: slice,
+             tracker: BadRowTracker | None = None) -> torch.Tensor:
         try:
             apply_rows = getattr(proc, "apply_rows", None)
             if apply_rows is not None:
                 shape, dtype, device = logits.shape, logits.dtype, logits.device
-                return check_logits(apply_rows(logits, rows), shape, dtype, device)
-            if rows.start == 0 and rows.stop == self.batch_size:
-                return checked_apply(proc, logits)
-            # Full-batch view: the shard's rows are real, the others are filler.
-            full = logits.new_zeros(self.batch_size, logits.shape[1])
-            full[rows] = logits
-            return checked_apply(proc, full)[rows]
+                out = check_logits(apply_rows(logits, rows), shape, dtype, device)
+            elif rows.start == 0 and rows.stop == self.batch_size:
+                out = checked_apply(proc, logits)
+            else:
+                # Full-batch view: the shard's rows are real, the others are filler.
+                full = logits.new_zeros(self.batch_size, logits.shape[1])
+                full[rows] = logits
+                out = checked_apply(proc, full)[rows]
         except Exception as exc:
             raise self._error(proc, "apply", exc, logits=logits, rows=rows) from exc
+        if tracker is not None and id(proc) in self._user_stages:
+            tracker.check(processor_name(proc), out)
+        return out
 
     def logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
         """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call."""
@@ -374,35 +438,68 @@ class Sampler:
             )
         return out
 
-    def process(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every stage; return (processed logits, greedy tokens).
+    def process(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None = None,
+                tracker: BadRowTracker | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run every stage; return (processed logits, greedy tokens, each row's maximum at the greedy point).
 
         Greedy tokens are the argmax after the argmax-changing stages and the
         thinking-budget forcing; the processed logits also went through
         temperature, argmax-invariant processors and top-k/top-p (unless the
-        whole batch is greedy). ``num_drafts``: rows whose output lists end
-        with that many draft tokens (speculative decoding).
+        whole batch is greedy). The maximum is NaN, +inf or -inf exactly when
+        that row cannot be sampled (it comes with the argmax: no extra pass).
+        ``num_drafts``: rows whose output lists end with that many draft tokens
+        (speculative decoding). ``tracker``: note which stage first made a row non-finite.
         """
         logits = logits.to(torch.float32)
+        if tracker is not None:
+            tracker.check(MODEL_STAGE, logits)
         logits = self._run(self.allowed_token_ids, logits, rows)
         logits = self._run(self.bad_words, logits, rows)
         if self.structured.rows:
             logits = self._run(self.structured, logits, rows)
+        if tracker is not None:
+            tracker.check(CONSTRAINTS_STAGE, logits)
         for proc in self.logitsprocs.non_argmax_invariant:
-            logits = self._run(proc, logits, rows)
+            logits = self._run(proc, logits, rows, tracker)
         logits = self._run(self.penalties, logits, rows)
         if self.slot_processors:
             logits = self._run_slot_processors(logits, rows, num_drafts)
+            if tracker is not None:
+                tracker.check("(slot-keyed processors)", logits)
         if self.thinking is not None and self.thinking.has_tracked_requests():
             logits = self.thinking.apply_rows(logits, rows, num_drafts)
-        greedy_tokens = logits.argmax(dim=-1)
+        row_max, greedy_tokens = logits.max(dim=-1)
         if not self.all_greedy():
+            bad = ~torch.isfinite(row_max)
+            if bool(bad.any()):  # condemned rows: zeros, so min-p or top-p cannot trip over them
+                logits.masked_fill_(bad.unsqueeze(1), 0.0)
             logits = self._run(self.temperature, logits, rows)
             for proc in self.logitsprocs.argmax_invariant:
-                logits = self._run(proc, logits, rows)
+                logits = self._run(proc, logits, rows, tracker)
             logits = self._run(self.top_k_top_p, logits, rows)
-        return logits, greedy_tokens
+        return logits, greedy_tokens, row_max
+
+    def tracker(self) -> BadRowTracker | None:
+        """A tracker when user processors run (they may return NaN); builtins only mask."""
+        return BadRowTracker() if self._user_stages or self.slot_processors else None
+
+    def row_errors(self, row_max: torch.Tensor, rows: slice, tracker: BadRowTracker | None,
+                   only: torch.Tensor | None = None) -> dict[int, str]:
+        """Batch row -> why, for the rows of the call whose maximum is not finite or that the tracker
+        found bad (one check when none is). ``only``: a mask of the rows to consider."""
+        bad = ~torch.isfinite(row_max)
+        if tracker is not None and tracker.first is not None:
+            found = tracker.first >= 0
+            bad |= found
+            row_max = torch.where(found, tracker.value, row_max)
+        if only is not None:
+            bad &= only
+        if not bool(bad.any()):
+            return {}
+        local = bad.nonzero().flatten().tolist()
+        maxima = row_max[bad].tolist()
+        return {rows.start + i: describe_bad_row(value, tracker.stage_of(i) if tracker is not None else None)
+                for i, value in zip(local, maxima)}
 
     def _run_slot_processors(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None
                              ) -> torch.Tensor:
@@ -431,13 +528,22 @@ class Sampler:
         rows = self.check_rows(logits, rows)
         logprob_local = self.logprob_rows(rows)
         raw = logits[torch.from_numpy(logprob_local).to(logits.device)] if logprob_local.size else None
-        logits, sampled = self.process(logits, rows)
+        tracker = self.tracker()
+        logits, sampled, row_max = self.process(logits, rows, tracker=tracker)
         random_local = np.flatnonzero(~self.rows["greedy"][rows.start : rows.stop])
         if random_local.size:
-            sampled[torch.from_numpy(random_local).to(sampled.device)] = self.sample_random(logits, random_local, rows)
-        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64))
+            index = torch.from_numpy(random_local).to(sampled.device)
+            random_max = torch.empty(random_local.size, dtype=logits.dtype, device=logits.device)
+            sampled[index] = self.sample_random(logits, random_local, rows, row_max=random_max)
+            before = row_max[index]  # a row bad at the greedy point stays bad (it was zeroed since)
+            row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
+        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64), errors=self.row_errors(row_max, rows, tracker))
+        if out.errors:
+            out.sampled_token_ids[torch.tensor([r - rows.start for r in out.errors], device=sampled.device)] = 0
         if raw is not None:
             out.logprobs = self.logprobs(raw, logprob_local, rows, out.sampled_token_ids)
+            for row in out.errors:
+                out.logprobs.pop(row, None)
         return out
 
     def positions(self, absolute_rows: np.ndarray) -> np.ndarray:
@@ -455,12 +561,16 @@ class Sampler:
             salt,
         )
 
-    def sample_rows(self, logits: torch.Tensor, absolute_rows: np.ndarray, salt: int = 0) -> torch.Tensor:
-        """One Gumbel-max sample per row of ``logits``, which belong to batch rows ``absolute_rows``."""
-        return gumbel_argmax(logits, self.random_base(absolute_rows, salt).to(logits.device))
+    def sample_rows(self, logits: torch.Tensor, absolute_rows: np.ndarray, salt: int = 0,
+                    row_max: torch.Tensor | None = None) -> torch.Tensor:
+        """One Gumbel-max sample per row of ``logits``, which belong to batch rows ``absolute_rows``
+        (``row_max``: receives each row's maximum, see ``gumbel_argmax``)."""
+        return gumbel_argmax(logits, self.random_base(absolute_rows, salt).to(logits.device), row_max=row_max)
 
-    def sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice, salt: int = 0) -> torch.Tensor:
+    def sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice, salt: int = 0,
+                      row_max: torch.Tensor | None = None) -> torch.Tensor:
         """Samples for rows ``local`` of a shard's ``logits`` (placement-independent)."""
         base = self.random_base(local + rows.start, salt).to(logits.device)
         every_row = local.size == logits.shape[0]  # local is sorted: then it is 0..n-1
-        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(logits.device))
+        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(logits.device),
+                             row_max=row_max)

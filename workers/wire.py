@@ -111,6 +111,9 @@ class StepResult:
     counts: np.ndarray | None = None
     # Logprobs of each sampled token, by batch row, for the rows that asked.
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # Rows that could not be sampled (NaN, +inf, every token masked), by batch row: why. Their
+    # request fails; their tokens are placeholders.
+    errors: dict[int, str] = field(default_factory=dict)
     # Audit: per-row mirror digests and per-processor digests.
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None

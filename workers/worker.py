@@ -101,7 +101,8 @@ class Worker:
             row = self.mirror.row(index)
             row_drafts = drafts[index] if drafts is not None else []
             work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
-                                num_logits=len(row_drafts) + 1))
+                                num_logits=len(row_drafts) + 1,
+                                decode=count == 1 and start >= len(row.prompt_token_ids)))
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), plan_s=plan_s)
         if work:
             logits = self.runner.forward(work)
@@ -110,11 +111,13 @@ class Worker:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
                 result.logprobs = {r: [lp] for r, lp in out.logprobs.items()}
+                result.errors = out.errors
             else:
                 verified = verify_drafts(self.sampler, logits, slice(lo, hi), drafts)
                 result.counts = np.array([len(t) for t in verified.tokens], dtype=np.int32)
                 result.tokens = np.array([t for row in verified.tokens for t in row], dtype=np.int32)
                 result.logprobs = {lo + i: lp for i, lp in enumerate(verified.logprobs) if lp is not None}
+                result.errors = verified.errors
             passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
             result.sample_pass_s = (time.perf_counter() - sample_start) / passes
         if plan.audit:
