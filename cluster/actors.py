@@ -55,12 +55,13 @@ class WorkerActor:
 class CoordinatorActor:
     """Hosts the ``cluster.engine_core.EngineCore`` step loop; many callers at once."""
 
-    def __init__(self, config: dict[str, Any], placement: Any = None, workers: list[Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any], placement: Any = None, workers: list[Any] | None = None,
+                 kv_note: str | None = None) -> None:
         from cluster.engine_core import EngineCore
         from cluster.quiet import quiet_libraries
 
         quiet_libraries()
-        self.core = EngineCore(config, placement, workers)
+        self.core = EngineCore(config, placement, workers, kv_note)
 
     def ready(self) -> bool:
         return self.core.ready()

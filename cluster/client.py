@@ -90,18 +90,22 @@ class Engine(RequestAPI):
 
         With ``cluster.num_engines`` above 1: that many such engines behind one ``EngineGroup``.
         """
+        from cluster.memory import plan_on_ray
+
         config = with_engine_name(load_config(source))
         ensure_ray(config)
+        config, kv_note = plan_on_ray(config, config.model.resolve_path())
         check_cluster_resources(config)
         if config.cluster.num_engines > 1:
             from cluster.engine_group import EngineGroup
 
-            return EngineGroup.from_config(config)
-        return cls.start(config)
+            return EngineGroup.from_config(config, kv_note)
+        return cls.start(config, kv_note)
 
     @classmethod
-    def start(cls, config: RaysampleConfig) -> Engine:
-        """One engine, on a Ray already joined, under the config's (set) name."""
+    def start(cls, config: RaysampleConfig, kv_note: str | None = None) -> Engine:
+        """One engine, on a Ray already joined, under the config's (set) name. ``kv_note``: where its
+        workers' KV budget came from (``cluster.memory``), for the start-up line."""
         from cluster.actors import CoordinatorActor
 
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
@@ -120,7 +124,7 @@ class Engine(RequestAPI):
         try:
             actor = CoordinatorActor.options(
                 name=name, namespace=namespace, num_cpus=0, scheduling_strategy=here,
-            ).remote(config.model_dump(by_alias=True), placement, workers)
+            ).remote(config.model_dump(by_alias=True), placement, workers, kv_note)
         except _NAME_TAKEN:  # started by another driver since the check above
             _release(placement, workers)
             raise _name_taken(name, namespace) from None

@@ -135,11 +135,20 @@ class ClusterSettings(_Section):
     # Dead or hung workers are replaced by new actors on their placement bundles, this many times
     # over the engine's life; past that (or when a replacement cannot start) the survivors go on.
     max_worker_replacements: int = Field(default=4, ge=0)
+    # Bytes of Ray's ``memory`` resource each worker actor asks for, so Ray never packs more workers on a
+    # node than fit. Unset: for CPU workers, their weights + KV budget + a runtime allowance
+    # (cluster.memory, computed at start); GPU workers ask for none.
+    memory_per_worker: int | None = Field(default=None, gt=0)
     # Fan the plan out through a Ray compiled graph (shared-memory channels) instead of actor calls.
     # Its channels busy-wait: the coordinator and every worker keep a core spinning between steps.
     # "auto": on for GPU workers (compute is on the device, the spin buys lower latency); off for
     # CPU workers, whose cores the spinning would take from the model (bench/step_overhead.py).
     compiled_graph: bool | Literal["auto"] = "auto"
+
+    @field_validator("memory_per_worker", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
 
     def use_compiled_graph(self) -> bool:
         if self.compiled_graph == "auto":
@@ -161,7 +170,23 @@ class SchedulerSettings(_Section):
         return self.max_num_seqs_per_worker or self.max_num_seqs
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+               "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(value: Any) -> Any:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` to bytes; other values pass through for pydantic to check."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}")
+    try:
+        return int(float(number) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
 
 
 class CacheSettings(_Section):
@@ -183,17 +208,7 @@ class CacheSettings(_Section):
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        text = value.strip().lower().replace(" ", "")
-        number = text.rstrip("kmgib")
-        unit = text[len(number):]
-        if unit not in _BYTE_UNITS:
-            raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}")
-        try:
-            return int(float(number) * _BYTE_UNITS[unit])
-        except ValueError:
-            raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
+        return parse_bytes(value)
 
 
 class ProcessorItem(_Section):

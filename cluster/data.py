@@ -183,11 +183,16 @@ class Processor:
 
         from cluster.ray_cluster import check_cluster_resources
 
-        cluster = self.config.cluster
-        in_actor = cluster.num_workers == 1
+        config = self.config
+        in_actor = config.cluster.num_workers == 1
         if ray.is_initialized():
-            check_cluster_resources(self.config)  # in seconds, not after Ray Data waits for resources forever
-        engines_config = self.config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
+            if in_actor:  # the actors hold the workers: their KV budgets are planned here, for all of them
+                from cluster.memory import plan_on_ray
+
+                config, _ = plan_on_ray(config, config.model.resolve_path())
+            check_cluster_resources(config)  # in seconds, not after Ray Data waits for resources forever
+        cluster = config.cluster
+        engines_config = config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
         from ray.data import ActorPoolStrategy
 
         dataset = dataset.map_batches(
@@ -201,6 +206,7 @@ class Processor:
             # engine places its own workers, and the actor only drives it.
             num_cpus=cluster.cpus_per_worker if in_actor else 0,
             num_gpus=cluster.gpus_per_worker if in_actor else 0,
+            memory=cluster.memory_per_worker if in_actor else None,
         )
         return dataset
 

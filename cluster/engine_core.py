@@ -50,9 +50,11 @@ class EngineCore:
     # (``_has_spare_core``); bench/step_overhead.py sets it to measure what the overlap saves.
     overlap_outputs: bool | None = None
 
-    def __init__(self, config: dict[str, Any], placement: Any = None, workers: list[Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any], placement: Any = None, workers: list[Any] | None = None,
+                 kv_note: str | None = None) -> None:
         """``placement`` / ``workers``: already launched by the driver (``Engine.from_config`` does, so the
-        workers load while this process starts); else this process launches them."""
+        workers load while this process starts); else this process launches them. ``kv_note``: where
+        the workers' KV budget came from (``cluster.memory``)."""
         self.config = load_config(config)
         self.timeout_s = self.config.cluster.call_timeout_s
         model_path = self.config.model.resolve_path()
@@ -65,6 +67,7 @@ class EngineCore:
         self.kv_shape = (num_blocks, block_size)
         self.replacements = 0
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size, inputs.result())
+        self.coordinator.kv_note = kv_note
         self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
                                             self.config.model.display_name())
         logger.info("%s", self.coordinator.kv_summary())
@@ -200,7 +203,10 @@ class EngineCore:
                     params, rejected = None, f"invalid sampling_params: {exc}"
             if isinstance(prompt, str) and rejected is None:
                 with self.tokenize_lock:  # a fast tokenizer must not be entered by two threads at once
-                    token_ids = self.coordinator.tokenize(prompt)
+                    try:
+                        token_ids = self.coordinator.tokenize(prompt)
+                    except ValueError as exc:  # longer than any prompt that fits: refused unread
+                        rejected = str(exc)
             prepared.append((prompt, params, request_id, token_ids, rejected))
         with self.lock:
             if self.fatal is not None:
@@ -268,6 +274,7 @@ class EngineCore:
                 "overlap_outputs": self.overlap_outputs,
                 **self.coordinator.kv_stats(),
                 "kv_cache": self.coordinator.kv_summary(),
+                "memory_per_worker": self.config.cluster.memory_per_worker,  # Ray memory each worker holds
                 "error": self.fatal,
             }
 

@@ -79,11 +79,12 @@ class EngineGroup(RequestAPI):
         self.reruns = 0
 
     @classmethod
-    def from_config(cls, config: RaysampleConfig) -> EngineGroup:
-        """Start ``cluster.num_engines`` engines at once (Ray joined and its resources checked by the caller)."""
+    def from_config(cls, config: RaysampleConfig, kv_note: str | None = None) -> EngineGroup:
+        """Start ``cluster.num_engines`` engines at once (Ray joined, memory planned for all of them and
+        resources checked by the caller)."""
         k = config.cluster.num_engines
         with ThreadPoolExecutor(k, thread_name_prefix="raysample-engine-start") as pool:
-            starting = [pool.submit(Engine.start, engine_config(config, i)) for i in range(k)]
+            starting = [pool.submit(Engine.start, engine_config(config, i), kv_note) for i in range(k)]
         engines, failures = [], []
         for future in starting:
             try:

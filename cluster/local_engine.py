@@ -89,12 +89,15 @@ class LocalEngine(RequestAPI):
     """The engine in this process: same API and return types as ``Engine``, stepped by its callers."""
 
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
-        self.config = load_config(config)
-        if self.config.cluster.num_engines > 1:
+        from cluster.memory import plan_in_process
+
+        config = load_config(config)
+        if config.cluster.num_engines > 1:
             from cluster.preflight import local_engines_message
 
-            raise ValueError(local_engines_message(self.config))
-        model_path = self.model_path = self.config.model.resolve_path()
+            raise ValueError(local_engines_message(config))
+        model_path = self.model_path = config.model.resolve_path()
+        self.config, kv_note = plan_in_process(config, model_path)  # before any worker allocates
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             set_cpu_threads()  # the workers run one after another here: each may use every usable core
         self.workers = [
@@ -103,6 +106,7 @@ class LocalEngine(RequestAPI):
         ]
         num_blocks = min(w.runner.num_blocks for w in self.workers)
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, self.workers[0].runner.block_size)
+        self.coordinator.kv_note = kv_note
         self._watchdog = StepWatchdog(self.workers, self.config.cluster.call_timeout_s)
         self.replacements = 0
         logger.info("%s", self.coordinator.kv_summary())

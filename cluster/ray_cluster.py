@@ -28,6 +28,11 @@ def ensure_ray(config: RaysampleConfig) -> None:
         # Inside `ray job submit` (or any driver told where its cluster is): join that cluster.
         ray.init(**kwargs)
     elif cluster.address == "local":
+        # A private instance serves this job alone: every Ray server (GCS, raylets, workers, the metrics
+        # agent) listens on the loopback interface only. Ray maps a node IP of 127.0.0.1 back to the
+        # host's address unless it is told it runs no cluster; children inherit the variable.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
         # Logical CPUs: one per worker plus the coordinator, even on a small machine.
         needed = int(cluster.num_engines * cluster.num_workers * cluster.cpus_per_worker) + cluster.num_engines
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
@@ -39,11 +44,22 @@ def worker_bundles(config: RaysampleConfig) -> list[dict[str, float]]:
     bundle: dict[str, float] = {"CPU": config.cluster.cpus_per_worker}
     if config.cluster.gpus_per_worker > 0:
         bundle["GPU"] = config.cluster.gpus_per_worker
+    if config.cluster.memory_per_worker is not None:
+        bundle["memory"] = float(config.cluster.memory_per_worker)
     return [dict(bundle) for _ in range(config.cluster.num_workers)]
 
 
+_SETTING = {"GPU": "cluster.gpus_per_worker", "CPU": "cluster.cpus_per_worker",
+            "memory": "cluster.memory_per_worker (the weights + cache.kv_cache_memory of a CPU worker)"}
+
+
+def _amount(resource: str, value: float) -> str:
+    return f"{value / 2**30:.2f} GiB of memory" if resource == "memory" else f"{value:g} {resource}"
+
+
 def check_cluster_resources(config: RaysampleConfig) -> None:
-    """Fail in seconds, not after the placement timeout, when the cluster cannot ever hold the workers."""
+    """Fail in seconds, not after the placement timeout, when the cluster cannot ever hold the workers:
+    in all, and (memory) on any one node."""
     have = ray.cluster_resources()
     cluster = config.cluster
     engines = f"{cluster.num_engines} engines x " if cluster.num_engines > 1 else ""
@@ -51,9 +67,15 @@ def check_cluster_resources(config: RaysampleConfig) -> None:
         wanted = each * cluster.num_workers * cluster.num_engines
         if have.get(resource, 0.0) < wanted:
             raise RuntimeError(
-                f"{engines}{cluster.num_workers} workers x {each:g} {resource} need {wanted:g} {resource}; the Ray "
-                f"cluster has {have.get(resource, 0.0):g} in all ({'cluster.num_engines, ' if engines else ''}"
-                f"cluster.num_workers, cluster.{'gpus' if resource == 'GPU' else 'cpus'}_per_worker)")
+                f"{engines}{cluster.num_workers} workers x {_amount(resource, each)} need {_amount(resource, wanted)}; "
+                f"the Ray cluster has {_amount(resource, have.get(resource, 0.0))} in all "
+                f"({'cluster.num_engines, ' if engines else ''}cluster.num_workers, {_SETTING[resource]})")
+    if cluster.memory_per_worker is not None:
+        largest = max((node["Resources"].get("memory", 0.0) for node in ray.nodes() if node.get("Alive")), default=0.0)
+        if largest < cluster.memory_per_worker:
+            raise RuntimeError(
+                f"a worker needs {_amount('memory', cluster.memory_per_worker)} and the largest Ray node has "
+                f"{_amount('memory', largest)} for actors ({_SETTING['memory']})")
 
 
 def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int) -> Any:
@@ -66,6 +88,7 @@ def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int
     return WorkerActor.options(
         num_cpus=cluster.cpus_per_worker,
         num_gpus=cluster.gpus_per_worker,
+        memory=cluster.memory_per_worker,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index),
     ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path())
 

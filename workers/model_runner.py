@@ -20,7 +20,7 @@ from workers import native_attention
 from workers.cpu_fusion import fuse_cpu_layers
 from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
-from workers.model_support import check_model_config, verify_once
+from workers.model_support import check_model_config, resolved_max_model_len, verify_once
 from workers.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
@@ -115,8 +115,7 @@ class ModelRunner:
             str(model_path), dtype=self.dtype, trust_remote_code=trust_remote_code
         )
         config = model.config
-        limit = getattr(config, "max_position_embeddings", None) or max_model_len
-        self.max_model_len = min(max_model_len or limit, limit)
+        self.max_model_len = resolved_max_model_len(config, max_model_len)
         check_model_config(config, self.max_model_len)
         try:
             model.set_attn_implementation(ATTENTION_NAME)

@@ -54,14 +54,26 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, kv_heads, block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
+        self.values = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on CPU from the allocator's zeroed pages (calloc), committed as blocks are first written,
+    so a large budget costs no start-up time and no memory until used (``torch.zeros`` writes it all)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    carrier = {2: np.uint16, 4: np.float32, 8: np.float64}[size]
+    return torch.from_numpy(np.zeros(shape, dtype=carrier)).view(dtype)
 
 
 @dataclass

@@ -133,11 +133,11 @@ def simulated_runner(config: Any, model_path: str, device: torch.device | str) -
     """The config's ``model.simulate`` runner: the source model's vocabulary and length, no weights."""
     from transformers import AutoConfig
 
+    from workers.model_support import resolved_max_model_len
     from workers.simulated_runner import SimulatedRunner
 
     model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
-    limit = getattr(model_config, "max_position_embeddings", None) or config.model.max_model_len
-    max_model_len = min(config.model.max_model_len or limit, limit)
+    max_model_len = resolved_max_model_len(model_config, config.model.max_model_len)
     block_size = config.cache.block_size or 16
     simulate = config.model.simulate
     blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)

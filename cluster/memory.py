@@ -1,0 +1,178 @@
+"""How much memory a CPU worker takes, decided before any worker starts.
+
+A CPU worker's KV cache budget (``cache.kv_cache_memory``) comes from the memory of the node the
+worker runs on, shared by every worker placed there, after their weights:
+
+- ``cache.kv_cache_memory`` given: that, per worker;
+- ``cache.gpu_memory_utilization`` given: that share of the node's memory for weights and KV
+  caches together, as vLLM applies it to CPU memory;
+- otherwise at most half of what the node has once its workers hold their weights, for all of
+  its KV caches together (a CPU node is often a machine people also use);
+
+and never more than every row at ``max_model_len`` needs. "What the node has" is the memory
+Ray measured as available for tasks and actors when the node started, less what other actors
+already hold (Ray's ``memory`` resource), or, in one process, the memory available now. A
+budget the node cannot hold, or one that cannot hold one request of ``max_model_len``, stops
+the start with one line naming the settings and the numbers. Each worker then asks Ray for its
+weights, its KV cache and a runtime allowance as its ``memory``, so Ray never packs more
+workers on a node than fit. GPU workers size their cache from their device (``ModelRunner``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1 << 30
+DEFAULT_SHARE = 0.5  # of the node's memory left after the weights, for all of its KV caches
+# What a worker process holds besides weights and KV cache: torch, transformers, the tokenizer,
+# activations of a step (measured here: 0.5-0.7 GiB of RSS for a small model).
+RUNTIME_BYTES = 768 << 20
+
+
+class MemoryPlanError(ValueError):
+    """The memory asked for (or found) cannot serve the model; the message names what to change."""
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What one worker's copy of the model costs, from its config alone (no weights loaded)."""
+
+    weights: int  # bytes of the parameters in the runtime dtype
+    kv_per_token: int  # bytes of K and V for one token, all layers
+    max_model_len: int
+
+    @classmethod
+    def of(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
+           ) -> ModelMemory:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from workers.model_runner import kv_geometry, resolve_dtype
+        from workers.model_support import resolved_max_model_len
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+        size = torch.empty(0, dtype=torch_dtype).element_size()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        weights = sum(p.numel() for p in model.parameters()) * size
+        layers, kv_heads, head_dim = kv_geometry(config)
+        return cls(weights, 2 * layers * kv_heads * head_dim * size, resolved_max_model_len(config, max_model_len))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every worker's KV budget and what it asks Ray for; ``note`` says where the budget came from."""
+
+    kv_cache_memory: int
+    worker_memory: int
+    note: str
+
+
+def node_memory_now() -> int:
+    """Memory available on this host now (for an engine in this process)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def sized_by_memory(config: Any) -> bool:
+    """CPU workers that hold weights: their KV budget comes from the node (GPU ones size it from the device)."""
+    return config.cluster.gpus_per_worker == 0 and config.model.simulate is None
+
+
+def with_memory_plan(config: Any, plan: MemoryPlan) -> Any:
+    """``config`` with the plan's KV budget, and its Ray memory per worker unless the user set one."""
+    cache = config.cache.model_copy(update={"kv_cache_memory": plan.kv_cache_memory})
+    cluster = config.cluster
+    if cluster.memory_per_worker is None:
+        cluster = cluster.model_copy(update={"memory_per_worker": plan.worker_memory})
+    return config.model_copy(update={"cache": cache, "cluster": cluster})
+
+
+def plan_in_process(config: Any, model_path: str) -> tuple[Any, str | None]:
+    """The config an in-process engine runs (every worker in this process) and where its budget came from."""
+    if not sized_by_memory(config):
+        return config, None
+    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len, config.model.trust_remote_code)
+    plan = plan_cpu_memory(config, model, node_memory_now(), config.cluster.num_workers, "in this process")
+    return with_memory_plan(config, plan), plan.note
+
+
+def plan_on_ray(config: Any, model_path: str) -> tuple[Any, str | None]:
+    """The config the engines of ``config`` run on the Ray cluster joined, and where their budget came from.
+
+    Every node that can host a worker is planned for as if it received as many of the engines'
+    workers as its free CPUs (and GPUs) allow; each worker gets the smallest of those budgets, so
+    it fits wherever Ray places it. Memory is what Ray has free for actors on the node now, so
+    engines already running there (another job's, or a group's others) are accounted for."""
+    if not sized_by_memory(config):
+        return config, None
+    from ray._private.state import available_resources_per_node
+
+    cluster = config.cluster
+    total = cluster.num_engines * cluster.num_workers
+    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len, config.model.trust_remote_code)
+    best: MemoryPlan | None = None
+    refused: MemoryPlanError | None = None
+    for resources in available_resources_per_node().values():
+        fits = int(resources.get("CPU", 0.0) // cluster.cpus_per_worker)
+        if fits < 1:
+            continue
+        try:
+            plan = plan_cpu_memory(config, model, int(resources.get("memory", 0.0)), min(total, fits),
+                                   "to Ray actors on the node")
+        except MemoryPlanError as exc:
+            refused = refused or exc
+            continue
+        if best is None or plan.kv_cache_memory < best.kv_cache_memory:
+            best = plan
+    if best is None:
+        if refused is not None:
+            raise refused
+        return config, None  # no node has a free CPU: check_cluster_resources says so in one line
+    return with_memory_plan(config, best), best.note
+
+
+def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_on_node: int,
+                    where: str = "on the node") -> MemoryPlan:
+    """The KV budget of each CPU worker when ``workers_on_node`` of them share ``node_memory`` bytes."""
+    rows = config.scheduler.slots_per_worker()
+    one_request = model.max_model_len * model.kv_per_token
+    every_row = rows * one_request
+    weights = workers_on_node * model.weights
+    cache = config.cache
+    node = f"{_gib(node_memory)} available {where}"
+    if cache.kv_cache_memory is not None:
+        kv, note = cache.kv_cache_memory, "given (cache.kv_cache_memory)"
+        need = workers_on_node * (kv + model.weights + RUNTIME_BYTES)
+        if need > node_memory:
+            raise MemoryPlanError(
+                f"cache.kv_cache_memory={_gib(kv)} per worker is more than the node holds: {workers_on_node} "
+                f"worker(s) x ({_gib(kv)} KV + {_gib(model.weights)} weights + {_gib(RUNTIME_BYTES)} runtime) = "
+                f"{_gib(need)}, with {node}; lower cache.kv_cache_memory or cluster.num_workers, or leave "
+                "cache.kv_cache_memory unset to size it from the node")
+    else:
+        if "gpu_memory_utilization" in cache.model_fields_set:
+            share, how = cache.gpu_memory_utilization, f"cache.gpu_memory_utilization={cache.gpu_memory_utilization:g} of"
+            total = share * node_memory - weights
+        else:
+            share, how = DEFAULT_SHARE, "half of"
+            total = share * (node_memory - weights)
+        kv = max(0, int(total // workers_on_node))
+        note = (f"computed: {how} the {node} once its {workers_on_node} worker(s) hold their weights "
+                f"({_gib(model.weights)} each), shared by them")
+        if kv > every_row:
+            kv, note = every_row, note + f"; capped by {rows} rows at max_model_len={model.max_model_len}"
+    if kv < one_request:
+        raise MemoryPlanError(
+            f"a KV cache of {_gib(kv)} per worker ({note}) holds {kv // max(model.kv_per_token, 1)} tokens; one "
+            f"request of model.max_model_len={model.max_model_len} needs {one_request // model.kv_per_token} "
+            f"({_gib(one_request)} at {model.kv_per_token} bytes a token): lower model.max_model_len, or raise "
+            "cache.kv_cache_memory (or give the node more memory)")
+    return MemoryPlan(kv, model.weights + kv + RUNTIME_BYTES, f"{_gib(kv)} per worker, {note}")
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.2f} GiB" if value >= GiB else f"{value / 2**20:.1f} MiB"
