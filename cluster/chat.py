@@ -2,8 +2,53 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
+
+# Seconds a chat template may take to render one request's messages (where rendering runs in the
+# main thread: the batch job's input lines). The model's template is trusted code, but its work
+# grows with what a line sends.
+RENDER_LIMIT_S = 10.0
+
+
+class RenderTimeout(ValueError):
+    """Rendering one request's messages took longer than allowed."""
+
+
+def request_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` sent with a request (an input line, a run-batch body): an object, and
+    never a template of its own, which is code (vLLM refuses both spellings too)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("'chat_template_kwargs' must be an object")
+    if "chat_template" in value:
+        raise ValueError("chat_template_kwargs.chat_template is not allowed: a request cannot bring its own chat "
+                         "template (a template is code); the model's template renders 'messages'")
+    return value
+
+
+@contextmanager
+def time_limit(seconds: float | None, what: str) -> Iterator[None]:
+    """Raise ``RenderTimeout`` inside the block once ``seconds`` pass (main thread only; elsewhere no limit)."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise RenderTimeout(f"{what} took more than {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @lru_cache(maxsize=4)
@@ -15,8 +60,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of ``messages`` with the generation prompt appended; ValueError names what is wrong."""
+                chat_template: str | None = None, max_chars: int | None = None,
+                time_limit_s: float | None = None) -> list[int]:
+    """Token ids of ``messages`` with the generation prompt appended; ValueError names what is wrong.
+
+    ``max_chars``: refuse, before rendering, messages whose text is longer than any prompt that fits
+    (``coordinator.prompt_limits``); ``time_limit_s``: bound the rendering (``time_limit``)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
@@ -32,6 +81,10 @@ def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] |
         raise ValueError("'chat_template_kwargs' must be an object")
     normalized = [{**m, "content": m["content"] if isinstance(m["content"], str)
                    else "".join(p["text"] for p in m["content"])} for m in messages]
+    chars = sum(len(m["content"]) for m in normalized)
+    if max_chars is not None and chars > max_chars:
+        raise ValueError(f"'messages' hold {chars} characters: more than fit in max_model_len tokens (at most "
+                         f"{max_chars} for this tokenizer); refused before rendering")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model's tokenizer has no chat template; send 'prompt' instead of 'messages'")
     if add_generation_prompt and continue_final_message:
@@ -40,8 +93,11 @@ def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] |
     if continue_final_message:
         extra["continue_final_message"] = True
     try:
-        ids = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            **extra, **(template_kwargs or {}))
+        with time_limit(time_limit_s, "rendering the chat template"):
+            ids = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                **extra, **(template_kwargs or {}))
+    except RenderTimeout as exc:
+        raise ValueError(f"the chat template could not render these messages: {exc}") from None
     except Exception as exc:
         raise ValueError(f"the chat template could not render these messages: {type(exc).__name__}: {exc}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -28,11 +28,12 @@ from typing import Any, Protocol, TextIO
 
 from cluster.background import in_background
 from cluster.config import ConfigError, RaysampleConfig, load_config
-from cluster.chat import load_tokenizer, render_chat
+from cluster.chat import RENDER_LIMIT_S, load_tokenizer, render_chat, request_template_kwargs
 from cluster.job_paths import JobPathError, check_job_paths
 from cluster.preflight import PreflightError, preflight
 from cluster.quiet import quiet_libraries
 from cluster.openai_batch import BatchLineError, PromptParts, error_line, parse_batch_line, response_line
+from coordinator.prompt_limits import max_prompt_chars, too_long_message
 from coordinator.request import CompletionOutput, RequestOutput, top_of
 from processors import SamplingParams
 
@@ -79,6 +80,7 @@ class JobCounters:
     skipped: int = 0  # already in the output (resume)
     done: int = 0
     errors: int = 0
+    retryable: int = 0  # of the errors, the engine's own failures: a resumed run retries them
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     first_result: float | None = None
@@ -107,7 +109,27 @@ class BadLine(ValueError):
     """One input line cannot become a request; the job records it and goes on."""
 
 
-def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tuple[Any, str | list[int], SamplingParams]:
+@dataclass(frozen=True)
+class InputLimits:
+    """The most a line may bring, from the model: longer cannot fit in ``max_model_len`` tokens."""
+
+    max_model_len: int
+    max_prompt_chars: int  # coordinator.prompt_limits
+
+    @property
+    def max_line_bytes(self) -> int:
+        """A JSON line spells a character in at most 6 bytes (``\\uXXXX``), plus room for its parameters."""
+        return 6 * self.max_prompt_chars + (1 << 20)
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_model_len: int) -> InputLimits:
+        return cls(max_model_len, max_prompt_chars(tokenizer, max_model_len))
+
+
+def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limits: InputLimits | None = None
+               ) -> tuple[Any, str | list[int], SamplingParams]:
+    """One input line; ``tokenizer``: a callable giving it (chat lines only); ``limits``: refuse what
+    cannot fit before rendering or tokenizing anything."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -129,13 +151,18 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None) -> tu
     has_text, has_ids = given == ["prompt"], given == ["prompt_token_ids"]
     if given == ["messages"]:
         try:
-            record["prompt_token_ids"] = render_chat(tokenizer(), record["messages"], record.get("chat_template_kwargs"))
+            record["prompt_token_ids"] = render_chat(tokenizer(), record["messages"],
+                                                     request_template_kwargs(record.get("chat_template_kwargs")),
+                                                     max_chars=limits.max_prompt_chars if limits else None,
+                                                     time_limit_s=RENDER_LIMIT_S)
         except ValueError as exc:
             raise BadLine(str(exc)) from None
         has_ids = True
     prompt = record["prompt"] if has_text else record["prompt_token_ids"]
     if has_text and not isinstance(prompt, str):
         raise BadLine("'prompt' must be a string")
+    if has_text and limits is not None and len(prompt) > limits.max_prompt_chars:
+        raise BadLine(too_long_message(len(prompt), limits.max_prompt_chars, limits.max_model_len))
     if has_ids and not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         raise BadLine("'prompt_token_ids' must be a list of integers")
     given_params = record.get("sampling_params")
@@ -228,6 +255,7 @@ class GenerateFormat:
     def __init__(self, config: RaysampleConfig) -> None:
         self.config = config
         self._tokenizer: Future | None = None
+        self._limits: InputLimits | None = None
 
     def prefetch_tokenizer(self) -> None:
         """Load the tokenizer (chat templates, run-batch bodies) while the engine starts, not after."""
@@ -241,8 +269,20 @@ class GenerateFormat:
     def tokenizer(self) -> Any:
         return self._tokenizer.result() if self._tokenizer is not None else self._load_tokenizer()
 
+    def limits(self) -> InputLimits:
+        """What a line may bring at most, for this model and max_model_len (once)."""
+        if self._limits is None:
+            from transformers import AutoConfig
+
+            from workers.model_support import resolved_max_model_len
+
+            model = self.config.model
+            model_config = AutoConfig.from_pretrained(model.resolve_path(), trust_remote_code=model.trust_remote_code)
+            self._limits = InputLimits.of(self.tokenizer(), resolved_max_model_len(model_config, model.max_model_len))
+        return self._limits
+
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
-        rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer)
+        rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer, self.limits())
         return rid, (rid, params.logprobs), prompt, params
 
     def peek(self, line: str) -> Any:
@@ -280,7 +320,7 @@ class OpenAIBatchFormat(GenerateFormat):
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         try:
-            request = parse_batch_line(line, self.tokenizer(), self.config.defaults)
+            request = parse_batch_line(line, self.tokenizer(), self.config.defaults, self.limits().max_prompt_chars)
         except BatchLineError as exc:
             raise BadLine(str(exc)) from None
         return request.custom_id, request, request.prompt, request.params
@@ -306,15 +346,54 @@ def _open_for_append(path: Path) -> TextIO:
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+@dataclass(frozen=True)
+class OversizedLine:
+    """A line longer than any request can be: read through, never held (its first bytes and digest kept)."""
+
+    size: int
+    head: bytes
+    digest: str
+
+
+# Lines are counted before the model is known (resume, progress): no line is held longer than this then.
+COUNTING_MAX_LINE_BYTES = 64 << 20
+
+
+def input_lines(path: Path, max_bytes: int = COUNTING_MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | OversizedLine]]:
     """(line number, raw bytes) of every non-blank line; decoding is per line, so bad bytes fail one line.
-    A UTF-8 byte order mark opening the file is skipped (as ``utf-8-sig`` reads it)."""
+    A UTF-8 byte order mark opening the file is skipped (as ``utf-8-sig`` reads it). A line over
+    ``max_bytes`` comes as an ``OversizedLine``: memory stays bounded whatever the input holds."""
+    limit = max_bytes
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        line_no = 0
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                return
+            line_no += 1
             if line_no == 1 and raw.startswith(UTF8_BOM):
                 raw = raw[len(UTF8_BOM):]
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                yield line_no, _read_through(f, raw)
+                continue
             if raw.strip():
                 yield line_no, raw
+
+
+def _read_through(f: Any, head: bytes) -> OversizedLine:
+    """The rest of an over-long line, consumed in chunks: its size and the digest ``line_digest`` would give."""
+    digest = hashlib.sha256(head.lstrip())
+    size = len(head)
+    tail = b""
+    while True:
+        chunk = f.readline(1 << 20)
+        size += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            tail = chunk.rstrip()
+            break
+        digest.update(chunk)
+    digest.update(tail)
+    return OversizedLine(size, head[:4096], digest.hexdigest()[:32])
 
 
 def decode_line(raw: bytes) -> str:
@@ -324,12 +403,18 @@ def decode_line(raw: bytes) -> str:
         raise BadLine(f"line is not valid UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
 
 
-def peek_key(fmt: GenerateFormat, raw: bytes) -> str | None:
+def peek_key(fmt: GenerateFormat, raw: bytes | OversizedLine) -> str | None:
+    if isinstance(raw, OversizedLine):
+        return None
     try:
         rid = fmt.peek(decode_line(raw))
     except BadLine:
         return None
     return None if rid is None else id_key(rid)
+
+
+def digest_of(raw: bytes | OversizedLine) -> str:
+    return raw.digest if isinstance(raw, OversizedLine) else line_digest(raw)
 
 
 def pending_lines(fmt: GenerateFormat, input_path: Path, output_path: Path) -> tuple[int, int]:
@@ -338,7 +423,7 @@ def pending_lines(fmt: GenerateFormat, input_path: Path, output_path: Path) -> t
     total = pending = 0
     for _, raw in input_lines(input_path):
         total += 1
-        if not written.done(line_digest(raw), peek_key(fmt, raw)):
+        if not written.done(digest_of(raw), peek_key(fmt, raw)):
             pending += 1
     return total, pending
 
@@ -396,7 +481,8 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
             line_format: GenerateFormat | None = None) -> JobCounters:
     fmt = line_format or GenerateFormat(config)
     written = fmt.written(output_path)
-    counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path)))
+    max_bytes = fmt.limits().max_line_bytes
+    counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path, max_bytes)))
     progress = Progress(counters, log_every_s)
     seen: set[str] = set()
     in_flight: dict[str, tuple[InFlight, int]] = {}  # engine request id -> its line, and which of its prompts
@@ -414,7 +500,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
             counters.errors += 1
             progress.advance()
 
-        lines = input_lines(input_path)
+        lines = input_lines(input_path, max_bytes)
         exhausted = False
         while not exhausted or in_flight:
             batch: list[tuple[Any, Any, Any, SamplingParams, str]] = []
@@ -424,13 +510,18 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     exhausted = True
                     break
                 line_no, raw = item
-                digest, key = line_digest(raw), peek_key(fmt, raw)
+                digest, key = digest_of(raw), peek_key(fmt, raw)
                 # One rule for ids: the first line with an id takes it, whatever becomes of that line
                 # (result or error, in this run or an earlier one); a later line with it is a duplicate.
                 if written.done(digest, None) or (key is not None and key in written.ids and key not in seen):
                     counters.skipped += 1  # a final record exists (resume)
                     if key is not None:
                         seen.add(key)
+                    continue
+                if isinstance(raw, OversizedLine):
+                    reject(None, line_no, digest, f"line is {raw.size} bytes: more than any request that fits "
+                                                  f"max_model_len={fmt.limits().max_model_len} tokens can need "
+                                                  f"({max_bytes} bytes); it was not read")
                     continue
                 shown_id = fmt.peek(raw.decode("utf-8", "replace"))
                 if key is not None and key in seen:
@@ -464,6 +555,7 @@ def run_job(config: RaysampleConfig, backend: Backend, input_path: Path, output_
                     failed = next((o for o in outs if o.error is not None), None)
                     if failed is not None and failed.retryable:
                         record["retryable"] = True  # an engine failure: a resumed run retries it
+                        counters.retryable += 1
                     write(record, line.digest)
                     counters.tokens += sum(len(o.token_ids) for o in outs)
                     out = failed or outs[0]
@@ -558,9 +650,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_message(output: Path) -> str:
+    return (f"\nraysample: interrupted; the results so far are in {output}. Re-running the same command "
+            "resumes where this run stopped.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # at any point: starting up included; every result so far is written
+        print(interrupted_message(args.output), file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         if args.job_name:
@@ -624,8 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = backend.stats()
     except KeyboardInterrupt:
         # Every result so far was written and flushed as it finished; nothing is torn.
-        print(f"\nraysample: interrupted; the results so far are in {args.output}. Re-running the same command "
-              "resumes where this run stopped.", file=sys.stderr, flush=True)
+        print(interrupted_message(args.output), file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         if args.verbose:
@@ -648,6 +752,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
         flush=True,
     )
+    if counters.retryable:  # the engine failed them, not the requests: the caller should resume
+        print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
+              f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

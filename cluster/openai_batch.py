@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.chat import render_chat
+from cluster.chat import RENDER_LIMIT_S, render_chat, request_template_kwargs
 from coordinator.request import CompletionOutput, Logprob, RequestOutput, top_of
 from processors import SamplingParams
 
@@ -56,7 +56,8 @@ class BatchRequest:
     model: str | None
 
 
-def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any]) -> BatchRequest:
+def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any], max_chars: int | None = None) -> BatchRequest:
+    """One OpenAI batch line; ``max_chars``: the longest chat text that can fit (``coordinator.prompt_limits``)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -67,14 +68,15 @@ def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any]) -> Bat
     if not isinstance(custom_id, str) or not custom_id:
         raise BatchLineError("missing or non-string 'custom_id'")
     try:
-        return _parse(record, custom_id, tokenizer, defaults)
+        return _parse(record, custom_id, tokenizer, defaults, max_chars)
     except BatchLineError:
         raise
     except (ValueError, TypeError) as exc:
         raise BatchLineError(str(exc), custom_id) from None
 
 
-def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dict[str, Any]) -> BatchRequest:
+def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dict[str, Any],
+           max_chars: int | None) -> BatchRequest:
     unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise ValueError(f"unknown field(s) {unknown}")
@@ -112,7 +114,9 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
             params["logprobs"] = top_logprobs
         elif body.get("top_logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        prompt: str | list[int] = render_chat(tokenizer, body.get("messages"), body.get("chat_template_kwargs"))
+        prompt: str | list[int] = render_chat(tokenizer, body.get("messages"),
+                                              request_template_kwargs(body.get("chat_template_kwargs")),
+                                              max_chars=max_chars, time_limit_s=RENDER_LIMIT_S)
     else:
         if body.get("echo"):
             raise ValueError("body.echo: echoing the prompt is not supported")

@@ -15,6 +15,7 @@ class PreflightError(ValueError):
 def preflight(config: RaysampleConfig, local: bool) -> None:
     _check_processors(config)
     _check_model(config)
+    _check_model_len(config)
     _check_gpus(config, local)
     if local and config.cluster.num_engines > 1:
         raise PreflightError(local_engines_message(config))
@@ -81,6 +82,25 @@ def _check_model(config: RaysampleConfig) -> None:
     except Exception as exc:
         raise PreflightError(f"model.path {path!r} is neither a local directory nor a reachable hub id "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _check_model_len(config: RaysampleConfig) -> None:
+    """A max_model_len past the model's own limit is refused here, not lowered in silence."""
+    if config.model.max_model_len is None:
+        return
+    from transformers import AutoConfig
+
+    from workers.model_support import resolved_max_model_len
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.resolve_path(),
+                                                  trust_remote_code=config.model.trust_remote_code)
+    except Exception:
+        return  # not readable here: the engine's own check names it
+    try:
+        resolved_max_model_len(model_config, config.model.max_model_len)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def _check_gpus(config: RaysampleConfig, local: bool) -> None:

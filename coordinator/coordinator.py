@@ -25,6 +25,7 @@ from coordinator.kv_blocks import KVCacheManager
 from coordinator.ngram_batch import BatchNgramDrafter
 from coordinator.ngram_drafter import NgramDrafter
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
+from coordinator.prompt_limits import check_prompt_chars, max_prompt_chars
 from coordinator.quarantine import Quarantine
 from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 from coordinator.request import (
@@ -75,8 +76,9 @@ class ModelInfo:
     def load(cls, model_path: str, max_model_len: int | None, tokenizer: Any, trust_remote_code: bool = False) -> ModelInfo:
         from transformers import AutoConfig, GenerationConfig
 
+        from workers.model_support import resolved_max_model_len
+
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        limit = getattr(config, "max_position_embeddings", None) or max_model_len or 2048
         try:
             generation = GenerationConfig.from_pretrained(model_path).to_dict()
         except OSError:
@@ -87,7 +89,7 @@ class ModelInfo:
             eos = gen_eos[0] if isinstance(gen_eos, list) and gen_eos else gen_eos
         return cls(
             vocab_size=config.vocab_size,
-            max_model_len=min(max_model_len or limit, limit),
+            max_model_len=resolved_max_model_len(config, max_model_len),
             eos_token_id=eos,
             generation_config={"eos_token_id": generation.get("eos_token_id")},
         )
@@ -131,6 +133,7 @@ class Coordinator:
         if self._drafts is not None:
             self.scheduler.table.on_release = self._drafts.release
         self.batch = PersistentBatch(max_num_seqs)
+        self.kv_note: str | None = None  # where the workers' KV budget came from (cluster.memory)
         self.quarantine = Quarantine()
         self.scheduler.admits = lambda request: self.quarantine.admits(request.group.request_id)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
@@ -153,6 +156,7 @@ class Coordinator:
         self.grammar_cache_size = grammar_cache_size
         # Token id -> bytes, when the tokenizer decodes by concatenating them (coordinator.stop_bytes).
         self._token_bytes = token_bytes(tokenizer)
+        self._max_prompt_chars: int | None = None  # coordinator.prompt_limits, on the first text prompt
         self._complete_utf8 = complete_utf8(self._token_bytes) if self._token_bytes is not None else None
         # Accept every row with per-request code, as before the array path existed: the
         # reference the array path must equal (tests compare the two).
@@ -216,6 +220,10 @@ class Coordinator:
         return request_id
 
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text prompt; ValueError, before any work, for one that cannot fit."""
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = max_prompt_chars(self.tokenizer, self.model.max_model_len)
+        check_prompt_chars(text, self._max_prompt_chars, self.model.max_model_len)
         return list(self.tokenizer(text)["input_ids"])
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -322,11 +330,12 @@ class Coordinator:
         blocks, size = self.kv.pools[0].num_blocks, self.kv.block_size
         per_seq = self.kv.blocks_for(self.model.max_model_len)
         workers = len(self.kv.pools)
+        budget = f"; budget {self.kv_note}" if self.kv_note else ""
         return (f"KV cache: {blocks} blocks of {size} tokens on each of {workers} worker(s) = "
                 f"{blocks * size * workers} tokens; {blocks // per_seq * workers} sequences of "
                 f"max_model_len={self.model.max_model_len} at once, more when shorter "
                 f"(max_num_seqs={self.batch.max_num_reqs}); prefix caching "
-                f"{'on' if self.kv.prefix_caching else 'off'}")
+                f"{'on' if self.kv.prefix_caching else 'off'}{budget}")
 
     def kv_stats(self) -> dict[str, Any]:
         return {

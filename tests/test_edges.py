@@ -44,6 +44,11 @@ def gen(rid, **fields) -> bytes:
     return json.dumps({"id": rid, "prompt": "Hi", "sampling_params": GOOD, **fields}).encode()
 
 
+def chat_line(rid, content: str, **fields) -> bytes:
+    return json.dumps({"id": rid, "messages": [{"role": "user", "content": content}], "sampling_params": GOOD,
+                       **fields}).encode()
+
+
 GENERATE_CASES = [
     # (name, lines, {id: expected error (None: a result)} in the order records are written for errors)
     ("a BOM opening the file is skipped", [BOM + gen("bom")], {"bom": None}),
@@ -66,6 +71,14 @@ GENERATE_CASES = [
 ]
 
 
+GENERATE_CASES += [
+    ("a chat template inside chat_template_kwargs",
+     [chat_line("t", "Hi", chat_template_kwargs={"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})],
+     {"t": "chat_template_kwargs.chat_template is not allowed: a request cannot bring its own chat template (a "
+           "template is code); the model's template renders 'messages'"}),
+]
+
+
 @pytest.mark.parametrize("name, lines, expected", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES])
 def test_generate_edges(config, backend, tmp_path, name, lines, expected):
     records = run_lines(config, backend, tmp_path, [*lines, gen("good")])
@@ -78,6 +91,28 @@ def test_generate_edges(config, backend, tmp_path, name, lines, expected):
         wants = want if isinstance(want, list) else [want]
         got = sorted((r["error"] is not None, r["error"] or "") for r in by_id[rid])
         assert got == sorted((w is not None, w or "") for w in wants), by_id[rid]
+
+
+def test_text_longer_than_any_prompt_that_fits_is_refused_before_tokenizing_and_memory_stays_bounded(
+        config, backend, tmp_path):
+    """A prompt (or chat) longer than max_model_len tokens can be, whatever it says, is refused by its
+    length; a line longer than any request can need is read through in chunks, never held."""
+    limits = GenerateFormat(config).limits()
+    too_long = "a" * (limits.max_prompt_chars + 1)
+    huge = b'{"id": "huge", "prompt": "' + b"b" * (limits.max_line_bytes + 10) + b'"}'
+    records = {r["id"]: r for r in run_lines(config, backend, tmp_path, [
+        gen("long", prompt=too_long), chat_line("chat", too_long),
+        huge, gen("fine")])}
+    assert records["long"]["error"] == (f"prompt has {len(too_long)} characters: more than fit in max_model_len=256 "
+                                        f"tokens (at most {limits.max_prompt_chars} characters for this tokenizer); "
+                                        "it was refused before tokenizing")
+    assert records["chat"]["error"].startswith(f"'messages' hold {len(too_long)} characters: more than fit")
+    assert records[None]["error"] == (f"line is {len(huge) + 1} bytes: more than any request that fits "
+                                      f"max_model_len=256 tokens can need ({limits.max_line_bytes} bytes); it was "
+                                      "not read")
+    assert records["fine"]["error"] is None
+    with pytest.raises(ValueError, match=r"^prompt has \d+ characters: more than fit"):  # the engine checks too
+        backend.engine.coordinator.tokenize(too_long)
 
 
 def test_a_huge_max_tokens_stops_at_the_model_limit_and_says_length(config, backend, tmp_path):
@@ -104,6 +139,10 @@ def test_run_batch_edges(config, backend, tmp_path):
         batch_line("dup", completions, {"prompt": "x", "max_tokens": -1}),
         batch_line("dup", completions, {"prompt": "x", "max_tokens": 2}),
         batch_line("empty-list", completions, {"prompt": [], "max_tokens": 2}),
+        batch_line("template", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                       "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+        batch_line("own-template", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                           "chat_template": "{{ 1 }}"}),
     ]
     records = {}
     for record in run_lines(config, backend, tmp_path, lines, batch=True):
@@ -123,6 +162,10 @@ def test_run_batch_edges(config, backend, tmp_path):
     assert [r["error"] for r in records["dup"]] == ["max_tokens must be at least 1, got -1.",
                                                     "duplicate id 'dup': an earlier line has it"]
     assert records["empty-list"][0]["error"] == "body.prompt must be a string, a list of token ids, or a list of these"
+    for refused in ("template", "own-template"):  # a template is code: never from an input line, however spelled
+        assert records[refused][0]["response"]["status_code"] == 400
+    assert records["template"][0]["error"].startswith("chat_template_kwargs.chat_template is not allowed")
+    assert records["own-template"][0]["error"] == "body has unknown field(s) ['chat_template']"
 
 
 # ----- the CLI: one line on stderr, exit 2, before an engine starts -----
@@ -150,6 +193,25 @@ def test_cli_edges(tmp_path, capsys):
     code, err = cli(tmp_path, capsys, str(tmp_path / "o.jsonl"), config_text="model: [tiny\n")
     assert code == 2 and err.startswith(f"raysample: config {tmp_path / 'config.yaml'} is not valid YAML (line 2, "), err
     assert err.count("\n") == 1
+    long_config = tiny_job_config()
+    long_config["model"]["max_model_len"] = 4200  # the tiny model's limit is 512: refused, not lowered
+    code, err = cli(tmp_path, capsys, str(tmp_path / "o.jsonl"), config_text=yaml.safe_dump(long_config))
+    assert (code, err) == (2, "raysample: model.max_model_len=4200 is more than LlamaForCausalLM's limit of 512 tokens "
+                              "(max_position_embeddings in its config.json); set model.max_model_len to at most 512 or "
+                              "leave it unset\n")
+
+
+def test_engine_failures_make_the_exit_code_non_zero(tmp_path, capsys, monkeypatch):
+    """Records the engine failed (retryable) mean the job did not finish: exit 1, and say how to resume."""
+    import cluster.job as job
+
+    def engine_down(config, backend, source, output, *args, **kwargs):
+        output.write_text(json.dumps({"id": "a", "error": "all raysample workers are gone", "retryable": True}) + "\n")
+        return job.JobCounters(total_lines=1, errors=1, retryable=1)
+
+    monkeypatch.setattr(job, "run_job", engine_down)
+    code, err = cli(tmp_path, capsys, str(tmp_path / "o.jsonl"))
+    assert code == 1 and "1 request(s) failed because the engine did" in err and "retries them" in err
 
 
 def test_python_edges():
@@ -163,6 +225,24 @@ def test_python_edges():
         resolve_fqcn("processors.examples:logger")
     with pytest.raises(TypeError, match="^prompts must be a string, a list of token ids"):
         LocalEngine.generate(object.__new__(LocalEngine), None)
+
+
+def test_rendering_a_chat_template_is_bounded_in_time():
+    """The model's template is trusted code, but a line's work through it is bounded (10 s in the job)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from cluster.chat import render_chat
+    from workers.tiny import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="could not render these messages: rendering the chat template took more "
+                                         "than 0.5s"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}], chat_template=loops, time_limit_s=0.5)
+    assert time.monotonic() - started < 5
 
 
 def test_a_resumed_run_keeps_the_duplicate_rule(config, backend, tmp_path):

@@ -39,6 +39,24 @@ def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:
     return [params] if params else []
 
 
+DEFAULT_MAX_MODEL_LEN = 2048  # a config that states no limit (no max_position_embeddings) and none given
+
+
+def resolved_max_model_len(config: Any, requested: int | None) -> int:
+    """``model.max_model_len``, or the model's own limit when unset. More than the model's limit is
+    refused, as vLLM refuses it: positions past what the model was built for give no error, only
+    wrong text (transformers config: ``max_position_embeddings``)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        return limit or DEFAULT_MAX_MODEL_LEN
+    if limit is not None and requested > limit:
+        arch = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise ValueError(f"model.max_model_len={requested} is more than {arch}'s limit of {limit} tokens "
+                         f"(max_position_embeddings in its config.json); set model.max_model_len to at most {limit} "
+                         "or leave it unset")
+    return requested
+
+
 def check_model_config(config: Any, max_model_len: int) -> None:
     """Raise ``UnsupportedAttention`` naming the first feature the runner cannot reproduce."""
     arch = (getattr(config, "architectures", None) or [config.model_type])[0]
