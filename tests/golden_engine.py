@@ -29,7 +29,23 @@ SETUPS: list[tuple[str, int, dict[str, Any]]] = [
     # 40 blocks of 4 tokens per worker: rows get preempted and recomputed.
     ("w2-tight", 2, {"cache": {"block_size": 4, "kv_cache_memory": 40 * 2 * 2 * 4 * 2 * 16 * 4}}),
     ("w2-spec", 2, {"speculative": {"num_speculative_tokens": 2, "draft_policy": "fixed"}}),
+    # The paths the mixed workload only samples: structured outputs (regex, choice, JSON schema), thinking
+    # budgets and a custom processor, next to everything above; then with spec decode on top.
+    ("w2-features", 2, {"reasoning": {"start": "<think>", "end": "Final answer:"},
+                        "processors": ["processors.examples:DummyLogitsProcessor"]}),
+    ("w2-features-spec", 2, {"reasoning": {"start": "<think>", "end": "Final answer:"},
+                             "processors": ["processors.examples:DummyLogitsProcessor"],
+                             "speculative": {"num_speculative_tokens": 3, "draft_policy": "fixed"}}),
 ]
+FEATURES = {
+    0: {"structured_outputs": {"regex": "(yes|no|maybe) [a-z]{2,6}"}},
+    1: {"structured_outputs": {"choice": ["fox", "dog", "café"]}},
+    2: {"structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                         "required": ["n"]}}},
+    3: {"thinking_token_budget": 3},
+    4: {"thinking_token_budget": 0},
+    5: {"extra_args": {"target_token": 42}},
+}
 NUM_REQUESTS = 60
 ABORT_AT = {5: ["r7", "r30"], 12: ["r41"]}  # step -> request ids aborted before that step
 
@@ -45,8 +61,9 @@ def engine_for(num_workers: int, extra: dict[str, Any]) -> LocalEngine:
     return LocalEngine(config)
 
 
-def workload(tokenizer: Any) -> list[tuple[str, str | list[int], SamplingParams, int]]:
-    """(request id, prompt, params, arrival step) of every request; fixed by a seeded RNG."""
+def workload(tokenizer: Any, features: bool = False) -> list[tuple[str, str | list[int], SamplingParams, int]]:
+    """(request id, prompt, params, arrival step) of every request; fixed by a seeded RNG. ``features``:
+    every third request also asks for one of ``FEATURES`` (the engine needs a reasoning section)."""
     rng = random.Random(25)
     words = "the quick brown fox jumps over lazy dog batch cache token row yes no maybe café 你好 🙂".split()
     out = []
@@ -68,6 +85,11 @@ def workload(tokenizer: Any) -> list[tuple[str, str | list[int], SamplingParams,
         else:
             params = SamplingParams(temperature=0.9, seed=i, logprobs=2, max_tokens=max_tokens,
                                     repetition_penalty=1.1, stop_token_ids=[rng.randint(3, 400)])
+        if features and i % 3 == 0:
+            feature = FEATURES[(i // 3) % len(FEATURES)]
+            params = SamplingParams.from_dict({**params.to_dict(), **feature})
+            if "thinking_token_budget" in feature:
+                prompt += " <think>"
         prompt_in: str | list[int] = prompt if i % 5 else tokenizer.encode(prompt, add_special_tokens=False)
         out.append((f"r{i}", prompt_in, params, rng.randint(0, 10)))
     return out
@@ -75,13 +97,14 @@ def workload(tokenizer: Any) -> list[tuple[str, str | list[int], SamplingParams,
 
 def run_setup(num_workers: int, extra: dict[str, Any]) -> dict[str, Any]:
     engine = engine_for(num_workers, extra)
-    requests = workload(engine.tokenizer)
+    requests = workload(engine.tokenizer, features="reasoning" in extra)
     finals: dict[str, Any] = {}
     step = 0
     while len(finals) < len(requests):
         for rid, prompt, params, at in requests:
             if at == step:
                 engine.add_request(prompt, params, request_id=rid, final_only=bool(int(rid[1:]) % 2))
+                wait_for_constraint(engine, rid)
         for rid in ABORT_AT.get(step, ()):
             engine.abort(rid)
         for out in engine.step():
@@ -91,6 +114,15 @@ def run_setup(num_workers: int, extra: dict[str, Any]) -> dict[str, Any]:
         if step > 5000:
             raise RuntimeError("golden workload did not finish")
     return {"steps": step, "outputs": dict(sorted(finals.items()))}
+
+
+def wait_for_constraint(engine: Any, request_id: str) -> None:
+    """Grammars compile on a thread: wait for this request's, so admission (hence the schedule) is the same
+    in every run."""
+    group = engine.coordinator.requests[request_id]
+    for child in group.children:
+        if child.grammar is not None:
+            child.grammar.exception()  # waits; a failure is the request's own error
 
 
 def record(out: Any) -> dict[str, Any]:
