@@ -48,7 +48,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
-from coordinator.coordinator import coordinator_from_config  # noqa: E402
+try:
+    from coordinator.factory import coordinator_from_config  # noqa: E402
+except ImportError:  # a checkout from before the coordinator was split into rooms (--before)
+    from coordinator.coordinator import coordinator_from_config  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 ROWS_PER_WORKER = 256
@@ -59,7 +62,10 @@ if ARRAYS:
     from workers.wire import StepResult  # noqa: E402
 else:  # a checkout from before (--before)
     from coordinator.plan import StepResult  # noqa: E402
-from workers.sampler import TokenLogprobs  # noqa: E402
+try:
+    from workers.wire import TokenLogprobs  # noqa: E402
+except ImportError:  # its home before issue 39 (--before)
+    from workers.sampler import TokenLogprobs  # noqa: E402
 
 
 def config(workers: int, mix: str) -> Any:

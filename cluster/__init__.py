@@ -1,13 +1,13 @@
-"""Configuration, Ray start-up and placement, the client handle, the job entrypoint.
+"""Configuration, Ray start-up and placement, the engines and their handles, the job.
 
-``from cluster import LLM`` is vLLM's offline handle (``AsyncLLM`` its streaming one);
-``Engine`` is the Ray client handle under them; ``LocalEngine`` runs the same
-step loop in one process.
+The public handles: ``LLM`` (vLLM's offline one) and ``AsyncLLM`` (its streaming one),
+and ``Engine``, the Ray handle under them (``Engine.from_config``, ``Engine.connect``).
+Everything else is internal; ``cluster.engine_factory.build_engine`` builds any engine.
 """
 
 from typing import Any
 
-__all__ = ["LLM", "AsyncLLM", "Engine", "EngineError", "LocalEngine", "load_config"]
+__all__ = ["LLM", "AsyncLLM", "Engine", "EngineError", "load_config"]
 
 
 def __getattr__(name: str) -> Any:  # import Ray only when the handle is used
@@ -19,10 +19,6 @@ def __getattr__(name: str) -> Any:  # import Ray only when the handle is used
         from cluster import llm
 
         return getattr(llm, name)
-    if name == "LocalEngine":
-        from cluster.local_engine import LocalEngine
-
-        return LocalEngine
     if name == "load_config":
         from cluster.config import load_config
 

@@ -19,7 +19,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SimulateSettings(_Section):
+class SimulateSection(_Section):
     """A worker that loads no weights and sleeps for a modelled GPU step time (``workers.simulated_runner``):
     ``preset`` (a roofline, e.g. ``llama-8b-h100``) or ``fixed_ms`` + ``per_token_ms``. The model source
     (usually ``tiny``) gives the tokenizer and vocabulary; logits are a hash of each row's last token."""
@@ -30,7 +30,7 @@ class SimulateSettings(_Section):
     num_blocks: int | None = Field(default=None, ge=1)  # KV blocks a worker claims (none are allocated)
 
     @model_validator(mode="after")
-    def _one_timing(self) -> SimulateSettings:
+    def _one_timing(self) -> SimulateSection:
         from workers.simulated_runner import PRESETS
 
         explicit = self.fixed_ms is not None or self.per_token_ms is not None
@@ -48,7 +48,7 @@ class SimulateSettings(_Section):
         return ComputeModel((self.fixed_ms or 0.0) / 1e3, (self.per_token_ms or 0.0) / 1e3)
 
 
-class ModelSettings(_Section):
+class ModelSection(_Section):
     """Exactly one source: ``path`` (a transformers directory, a hub id, or a ``.gguf`` file;
     a directory plus ``gguf_file`` names a GGUF inside it), ``preset`` (a GGUF inside an
     installed wheel, ``workers.model_source.PRESETS``) or ``tiny`` (a locally built test model).
@@ -70,11 +70,11 @@ class ModelSettings(_Section):
     # batched torch products over whole KV blocks (any device). "auto": native on CPU with
     # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
-    # Benchmarks and capacity planning: no weights, a modelled step time (see SimulateSettings).
-    simulate: SimulateSettings | None = None
+    # Benchmarks and capacity planning: no weights, a modelled step time (see SimulateSection).
+    simulate: SimulateSection | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> ModelSettings:
+    def _one_source(self) -> ModelSection:
         if sum(x is not None for x in (self.path, self.preset, self.tiny)) != 1:
             raise ValueError("give exactly one of model.path (a directory, hub id or .gguf file), model.preset "
                              "(e.g. smollm2-135m-instruct) or model.tiny (a test model)")
@@ -115,7 +115,7 @@ class ModelSettings(_Section):
         return str(self.path)
 
 
-class ClusterSettings(_Section):
+class ClusterSection(_Section):
     address: str = "local"  # local | auto | ray://host:port | host:port
     num_workers: int = Field(default=1, ge=1)  # per engine
     # Data-parallel engines (vLLM's data_parallel_size): each a coordinator with its own workers and
@@ -156,7 +156,7 @@ class ClusterSettings(_Section):
         return self.compiled_graph
 
 
-class SchedulerSettings(_Section):
+class SchedulerSection(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
     # Tokens computed per step over all rows (decode, prefill chunks, drafts): long prompts are
     # split across steps so decoding rows are never starved.
@@ -189,7 +189,7 @@ def parse_bytes(value: Any) -> Any:
         raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
 
 
-class CacheSettings(_Section):
+class CacheSection(_Section):
     """Paged KV cache: blocks of ``block_size`` tokens from a memory budget per worker.
 
     ``kv_cache_memory`` (bytes, or a string such as ``"2GiB"``) fixes the budget; without it a GPU
@@ -243,7 +243,7 @@ class ProcessorItem(_Section):
         )
 
 
-class SpeculativeSettings(_Section):
+class SpeculativeSection(_Section):
     method: Literal["ngram"] = "ngram"
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     prompt_lookup_min: int = Field(default=1, ge=1)
@@ -254,13 +254,13 @@ class SpeculativeSettings(_Section):
     draft_policy: Literal["adaptive", "fixed"] = "adaptive"
 
     @model_validator(mode="after")
-    def _ordered(self) -> SpeculativeSettings:
+    def _ordered(self) -> SpeculativeSection:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative.prompt_lookup_min must be <= prompt_lookup_max")
         return self
 
 
-class ReasoningSettings(_Section):
+class ReasoningSection(_Section):
     """Thinking markers. As text they match however the tokenizer splits them after other text
     (``" <think>"`` and ``"<think>"`` are different ids in most BPE vocabularies); as ids they
     match exactly, and ``end_token_ids`` is also what a spent budget forces."""
@@ -271,23 +271,23 @@ class ReasoningSettings(_Section):
     end_token_ids: list[int] | None = Field(default=None, min_length=1)
 
 
-class StructuredOutputSettings(_Section):
+class StructuredOutputsSection(_Section):
     # Compiled grammars kept per process (coordinator and each worker), least recently used evicted.
     grammar_cache_size: int = Field(default=256, ge=1)
 
 
 class RaysampleConfig(_Section):
-    model: ModelSettings
-    cluster: ClusterSettings = ClusterSettings()
-    scheduler: SchedulerSettings = SchedulerSettings()
-    cache: CacheSettings = CacheSettings()
-    structured_outputs: StructuredOutputSettings = StructuredOutputSettings()
+    model: ModelSection
+    cluster: ClusterSection = ClusterSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    cache: CacheSection = CacheSection()
+    structured_outputs: StructuredOutputsSection = StructuredOutputsSection()
     processors: list[Union[str, type, ProcessorItem]] = Field(default_factory=list)
     # Load processors installed as plugins (entry-point groups vllm.logits_processors and
     # raysample.logits_processors) on every engine, as vLLM does.
     processors_from_entry_points: bool = True
-    speculative: SpeculativeSettings | None = None
-    reasoning: ReasoningSettings | None = None
+    speculative: SpeculativeSection | None = None
+    reasoning: ReasoningSection | None = None
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("defaults")

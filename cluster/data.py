@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import RaysampleConfig, load_config
-from cluster.job import BadLine, engine_request_id, id_key, parse_line
+from cluster.engine_factory import build_engine
+from cluster.job_lines import BadLine, engine_request_id, id_key, parse_line
 
 Row = dict[str, Any]
 
@@ -72,16 +73,14 @@ class EngineStage:
         quiet_libraries()
         self.config = load_config(config)
         self.preprocess, self.postprocess = preprocess, postprocess
-        if self.config.cluster.num_workers == 1:
-            from cluster.local_engine import LocalEngine
-
-            self.engine: Any = LocalEngine(self.config)
+        # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
+        local = self.config.cluster.num_workers == 1
+        self.engine: Any = build_engine(self.config, local=local)
+        if local:
             self._tokenizer = self.engine.tokenizer
         else:
             from cluster.chat import load_tokenizer
-            from cluster.client import Engine
 
-            self.engine = Engine.from_config(self.config)
             model = self.config.model
             self._tokenizer = load_tokenizer(model.tokenizer or model.resolve_path(), model.trust_remote_code)
 

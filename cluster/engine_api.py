@@ -1,8 +1,9 @@
-"""What the Ray handle (``Engine``) and the in-process engine (``LocalEngine``) share.
+"""What every engine handle shares: the Ray ``Engine``, an ``EngineGroup`` of several, and
+the in-process ``LocalEngine``.
 
-Both take vLLM's prompt forms and keywords and return the same types; each
-implements three primitives (``submit_many``, ``poll``, ``abort``) and an
-async ``stream``, and gets the rest from here: ``submit``, ``results`` and a
+Each takes vLLM's prompt forms and keywords and returns the same types; each
+implements the primitives (``submit_many``, ``poll``, ``abort``, an async ``stream``,
+``stats``, ``shutdown``) and gets the rest from here: ``submit``, ``results`` and a
 ``generate`` with vLLM's progress bar.
 """
 
@@ -13,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from cluster.prompts import Params, Prompt, PromptInput, as_prompt_list
+from cluster.prompts import Params, PromptInput, as_prompt_list
 from coordinator.request import RequestOutput
 
 POLL_S = 1.0
@@ -43,6 +44,15 @@ class RequestAPI(ABC):
     def stream(self, prompt: PromptInput, sampling_params: Params = None,
                request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """``async for out in engine.stream(...)``: each output as it is made; leaving early aborts."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Running/waiting requests, throughput, KV usage, ``kv_cache`` (the start-up line)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def shutdown(self) -> None:
         raise NotImplementedError
 
     # ----- shared -----

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from cluster.client import Engine, EngineError, EngineGone
+from cluster.engine_handle import EngineError, EngineGone, EngineHandle
 from cluster.config import RaysampleConfig
 from cluster.engine_api import POLL_S, RequestAPI, take_ready
 from cluster.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
@@ -66,8 +66,8 @@ class Tracked:
 class EngineGroup(RequestAPI):
     """k engines, one handle: the same calls and return types as ``Engine``."""
 
-    def __init__(self, engines: Sequence[Engine], name: str, max_model_len: int) -> None:
-        self.engines: list[Engine | None] = list(engines)  # None: dead and released
+    def __init__(self, engines: Sequence[EngineHandle], name: str, max_model_len: int) -> None:
+        self.engines: list[EngineHandle | None] = list(engines)  # None: dead and released
         self.name = name
         self.max_model_len = max_model_len
         self._lock = threading.RLock()
@@ -84,7 +84,7 @@ class EngineGroup(RequestAPI):
         resources checked by the caller)."""
         k = config.cluster.num_engines
         with ThreadPoolExecutor(k, thread_name_prefix="raysample-engine-start") as pool:
-            starting = [pool.submit(Engine.start, engine_config(config, i), kv_note) for i in range(k)]
+            starting = [pool.submit(EngineHandle.start, engine_config(config, i), kv_note) for i in range(k)]
         engines, failures = [], []
         for future in starting:
             try:

@@ -15,6 +15,7 @@ from typing import Any
 from cluster.chat import load_tokenizer, render_chat
 from cluster.config import RaysampleConfig
 from cluster.engine_api import RequestAPI
+from cluster.engine_factory import build_engine
 from cluster.llm_args import config_from_llm_args
 from cluster.prompts import Params, PromptInput, as_prompt_list, params_per_prompt
 from coordinator.request import CompletionOutput, FinishReason, RequestOutput
@@ -35,14 +36,7 @@ class _EngineOwner:
                  local: bool = False, **kwargs: Any) -> None:
         self.config = config_from_llm_args(model, config, **kwargs)
         self.local = local
-        if local:
-            from cluster.local_engine import LocalEngine
-
-            self.engine: RequestAPI = LocalEngine(self.config)
-        else:
-            from cluster.client import Engine
-
-            self.engine = Engine.from_config(self.config)
+        self.engine: RequestAPI = build_engine(self.config, local=local)
         self._tokenizer: Any = None
 
     def get_tokenizer(self) -> Any:
@@ -57,9 +51,7 @@ class _EngineOwner:
         return self._tokenizer
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.engine.shutdown()
 
     def __enter__(self):  # noqa: ANN204
         return self
@@ -111,8 +103,7 @@ class LLM(_EngineOwner):
         raise NotImplementedError("beam search is not supported: raysample samples one token per row and step")
 
     def stats(self) -> dict[str, Any]:
-        stats = getattr(self.engine, "stats", None)
-        return stats() if stats is not None else {}
+        return self.engine.stats()
 
 
 class AsyncLLM(_EngineOwner):

@@ -16,63 +16,19 @@ from typing import Any
 
 import torch
 
-from cluster.audit import check_consistency
+from cluster import engine_step
 from cluster.config import RaysampleConfig, load_config
 from cluster.engine_api import POLL_S, RequestAPI, take_ready
+from cluster.engine_step import ALL_WORKERS_GONE, AllWorkersGone
+from cluster.inprocess_executor import InProcessExecutor
 from cluster.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
-from coordinator.coordinator import coordinator_from_config
+from coordinator.factory import coordinator_from_config
 from coordinator.request import RequestOutput
 from processors import SamplingParams
-from workers.sampler import LogitsProcessorError
 from workers.threads import set_cpu_threads
 from workers.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerHung(RuntimeError):
-    def __init__(self, worker: int, timeout_s: float) -> None:
-        super().__init__(f"worker {worker} did not finish its step within {timeout_s:.0f}s")
-        self.worker, self.timeout_s = worker, timeout_s
-
-
-class StepWatchdog:
-    """Runs the workers' steps on a thread of its own, so a call that never returns (a processor
-    stuck for one request) ends the wait after ``cluster.call_timeout_s`` as it does on Ray. A
-    Python thread cannot be killed: the stuck one is abandoned with the worker it holds, and told
-    not to touch any other worker when it wakes."""
-
-    def __init__(self, workers: list[Worker], timeout_s: float) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.workers = list(workers)
-        self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-local-step")
-        self._current = -1
-
-    def run(self, plan: Any) -> list[Any]:
-        import threading
-        from concurrent.futures import TimeoutError as FutureTimeout
-
-        cancelled = threading.Event()
-
-        def steps() -> list[Any]:
-            results = []
-            for i, worker in enumerate(self.workers):
-                if cancelled.is_set():
-                    return results
-                self._current = i
-                results.append(worker.step(plan))
-            return results
-
-        future = self._pool.submit(steps)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            cancelled.set()
-            self._pool.shutdown(wait=False)
-            raise WorkerHung(self._current, self.timeout_s) from None
-
 
 
 def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
@@ -100,15 +56,13 @@ class LocalEngine(RequestAPI):
         self.config, kv_note = plan_in_process(config, model_path)  # before any worker allocates
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             set_cpu_threads()  # the workers run one after another here: each may use every usable core
-        self.workers = [
-            Worker.from_config(i, self.config, model_path, local_device(self.config, i))
-            for i in range(self.config.cluster.num_workers)
-        ]
+        cluster = self.config.cluster
+        self.executor = InProcessExecutor(
+            lambda i: Worker.from_config(i, self.config, model_path, local_device(self.config, i)),
+            cluster.num_workers, cluster.call_timeout_s, cluster.max_worker_replacements)
         num_blocks = min(w.runner.num_blocks for w in self.workers)
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, self.workers[0].runner.block_size)
         self.coordinator.kv_note = kv_note
-        self._watchdog = StepWatchdog(self.workers, self.config.cluster.call_timeout_s)
-        self.replacements = 0
         logger.info("%s", self.coordinator.kv_summary())
         self._outputs: dict[str, list[RequestOutput]] = {}  # made by steps, not yet polled
 
@@ -127,48 +81,35 @@ class LocalEngine(RequestAPI):
     def has_unfinished(self) -> bool:
         return self.coordinator.has_unfinished()
 
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self.executor.workers.values())
+
+    @property
+    def replacements(self) -> int:
+        return self.executor.replacements
+
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs of requests that changed."""
-        plan = self.coordinator.next_plan()
-        if plan is None:
-            self.coordinator.wait_for_grammars(0.05)
-            return self.coordinator.take_outputs()
+        """One engine step (``cluster.engine_step``); returns the outputs of requests that changed."""
+        outputs: list[RequestOutput] = []
         try:
-            results = self._watchdog.run(plan)
-        except WorkerHung as hung:  # a worker's call never returned: replace it, find who caused it
-            probing = self.coordinator.worker_failed([hung.worker], f"hung (no answer in {hung.timeout_s:.0f}s)",
-                                                     range(len(self.workers)))
-            self._replace(hung.worker, counted=not probing)
-            return self.coordinator.take_outputs()
-        except Exception as exc:  # a processor, the sampler or the model raised: only its requests fail
-            rows = exc.rows if isinstance(exc, LogitsProcessorError) else None
-            text = str(exc) if isinstance(exc, LogitsProcessorError) else f"{type(exc).__name__}: {exc}"
-            self.coordinator.fail_step(rows, f"step failed: {text}", range(len(self.workers)))
-            for worker in self.workers:
-                worker.reset()
-            return self.coordinator.take_outputs()
-        if plan.audit:
-            check_consistency(plan.step, results)
-        return self.coordinator.process(plan, results)
+            done = engine_step.step(self.coordinator, self.executor, outputs.extend)
+        except AllWorkersGone:
+            outputs.extend(self.coordinator.fail_all(ALL_WORKERS_GONE))
+            self._buffer(outputs)
+            raise
+        if done is None:
+            self.coordinator.wait_for_grammars(0.05)
+        return outputs + self.coordinator.take_outputs()
 
-    def _replace(self, index: int, counted: bool) -> None:
-        """A new worker ``index`` (the hung one is abandoned to its thread); the others are reset.
+    def stats(self) -> dict[str, Any]:
+        m, c = self.coordinator.metrics, self.coordinator
+        return {"running": c.num_running(), "waiting": c.num_waiting(), "workers_alive": len(self.workers),
+                "steps": m.steps, "generated_tokens": m.generated_tokens, "tokens_per_s": m.generation_rate.rate(),
+                "spec_acceptance": m.spec_acceptance, **c.kv_stats(), "kv_cache": c.kv_summary()}
 
-        Replacements count against ``cluster.max_worker_replacements`` unless the engine was running
-        suspects apart (``counted=False``): then the failure was a request's, not the worker's."""
-        cluster = self.config.cluster
-        if counted and self.replacements >= cluster.max_worker_replacements:
-            self.coordinator.fail_all(f"worker {index} hung and cluster.max_worker_replacements="
-                                      f"{cluster.max_worker_replacements} is reached; pending requests cannot be served")
-            raise RuntimeError("all raysample workers are gone; pending requests cannot be served")
-        self.replacements += counted
-        logger.warning("worker %d hung; replacing it", index)
-        self.workers[index] = Worker.from_config(index, self.config, self.model_path,
-                                                 local_device(self.config, index))
-        self._watchdog = StepWatchdog(self.workers, self.config.cluster.call_timeout_s)
-        for i, worker in enumerate(self.workers):
-            if i != index:
-                worker.reset()
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ----- the RequestAPI primitives (submit, results and generate come from there) -----
 

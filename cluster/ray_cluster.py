@@ -82,7 +82,7 @@ def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int
     """Start worker ``index`` on its bundle; it loads the model in its constructor (not awaited here)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.actors import WorkerActor
+    from cluster.worker_actor import WorkerActor
 
     cluster = config.cluster
     return WorkerActor.options(

@@ -10,7 +10,7 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from processors import SamplingParams
-from workers.sampler import TokenLogprobs
+from workers.wire import TokenLogprobs
 
 if TYPE_CHECKING:
     from coordinator.kv_blocks import KVState

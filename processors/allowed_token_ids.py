@@ -9,7 +9,7 @@ import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate
-from processors.rowwise import RowwiseLogitsProcessor
+from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.state import process_dict_updates
 
 

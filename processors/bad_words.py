@@ -2,36 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate
-from processors.rowwise import RowwiseLogitsProcessor
+from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-
-def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
-    """Each word as token ids, alone and after a space (as vLLM), so it is banned
-    both at the start of the text and mid-sentence."""
-    sequences: list[list[int]] = []
-    for word in bad_words:
-        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not bare:
-            raise ValueError(f"bad_words entry {word!r} tokenizes to no token.")
-        sequences.append(list(bare))
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        # Only a distinct word-start form of the same length is a second spelling.
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            sequences.append(list(spaced))
-    return sequences
 
 
 def bad_words_token_ids(params: SamplingParams) -> list[list[int]]:

@@ -15,7 +15,7 @@ import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
-from processors.row_state import apply_on_rows
+from processors.row_columns import apply_on_rows
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
 

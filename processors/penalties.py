@@ -14,8 +14,8 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_state import RowColumns
-from processors.rowwise import RowwiseLogitsProcessor
+from processors.row_columns import RowColumns
+from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SamplingParams
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
@@ -287,8 +288,6 @@ class SamplingParams:
     def update_from_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Tokenize ``bad_words``, with and without a leading space (as vLLM)."""
         if self.bad_words:
-            from processors.bad_words import tokenize_bad_words
-
             self._bad_words_token_ids = tokenize_bad_words(self.bad_words, tokenizer)
 
     # ----- plain-data round trip (JSON lines carry these) -----
@@ -336,3 +335,19 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return dataclasses.replace(self)
+
+
+def tokenize_bad_words(bad_words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each word as token ids, alone and after a space (as vLLM), so it is banned
+    both at the start of the text and mid-sentence."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad_words entry {word!r} tokenizes to no token.")
+        sequences.append(list(bare))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        # Only a distinct word-start form of the same length is a second spelling.
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(list(spaced))
+    return sequences

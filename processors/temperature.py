@@ -9,8 +9,8 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_state import RowColumns, apply_on_rows
-from processors.rowwise import RowwiseLogitsProcessor
+from processors.row_columns import RowColumns, apply_on_rows
+from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SAMPLING_EPS
 
 

@@ -17,8 +17,8 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_state import RowColumns, apply_on_rows
-from processors.rowwise import RowwiseLogitsProcessor
+from processors.row_columns import RowColumns, apply_on_rows
+from processors.rowwise_processor import RowwiseLogitsProcessor
 
 FIRST_TOP_P_CANDIDATES = 64
 

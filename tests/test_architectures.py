@@ -136,12 +136,12 @@ def test_budget_too_small_for_one_sequence_names_the_numbers():
 def test_the_probe_runs_once_per_model_code_and_layout(tmp_path, monkeypatch):
     """A worker skips the seconds-long probe when this exact model, code and layout passed it on
     this host; anything that could change its outcome probes again."""
-    from workers import model_support
+    from workers import attention_probe
 
     monkeypatch.setenv("RAYSAMPLE_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
-    real = model_support.verify_against_eager
-    monkeypatch.setattr(model_support, "verify_against_eager", lambda runner: calls.append(1) or real(runner))
+    real = attention_probe.verify_against_eager
+    monkeypatch.setattr(attention_probe, "verify_against_eager", lambda runner: calls.append(1) or real(runner))
     path = build_arch_model("llama")
 
     def load(**kwargs):

@@ -12,7 +12,7 @@ import torch
 from arch_zoo import build_arch_model
 from transformers import AttentionInterface
 
-from workers import model_support, paged_attention
+from workers import attention_probe, paged_attention
 from workers.model_runner import ModelRunner
 from workers.paged_attention import ATTENTION_NAME, UnsupportedAttention
 
@@ -43,7 +43,7 @@ def broken_attention():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_real_paged_attention_passes_in_every_dtype(dtype):
-    model_support.verify_against_eager(load(dtype))
+    attention_probe.verify_against_eager(load(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,7 +51,7 @@ def test_an_attention_wrong_everywhere_is_refused_in_every_dtype(dtype, broken_a
     runner = load(dtype)
     broken_attention(lambda _: True)
     with pytest.raises(UnsupportedAttention, match="differ from eager attention in float32"):
-        model_support.verify_against_eager(runner)
+        attention_probe.verify_against_eager(runner)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -60,14 +60,14 @@ def test_an_attention_wrong_only_in_low_precision_is_refused_in_that_precision(d
     broken_attention(lambda query_dtype: query_dtype != torch.float32)
     with pytest.raises(UnsupportedAttention, match=rf"differ from eager attention \(in torch.{dtype}, where "
                                                    r"transformers' own attentions differ by"):
-        model_support.verify_against_eager(runner)
+        attention_probe.verify_against_eager(runner)
 
 
 def test_the_float32_copy_restores_the_original_weights_exactly():
     runner = load("bfloat16")
     before = {name: t.clone() for name, t in runner.model.state_dict().items()}
     buffers = {name: t.dtype for name, t in runner.model.named_buffers()}
-    model_support.verify_against_eager(runner)
+    attention_probe.verify_against_eager(runner)
     after = runner.model.state_dict()
     assert all(torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before)
     assert {name: t.dtype for name, t in runner.model.named_buffers()} == buffers  # RoPE's float32 inv_freq too

@@ -1,7 +1,7 @@
 """The coordinator's array step loop: equal to its per-row reference, and exact at 8 fake workers.
 
 The coordinator accepts tokens and applies stop conditions with array operations (issue 25);
-``per_row_reference`` runs every row through the per-request code instead. Both, fed the same
+``PerRowAcceptance`` (here) runs every row through the per-request code instead. Both, fed the same
 random results, must produce the same plans and the same outputs. Then 8 real workers (mirror,
 processor replicas, sampler) with a fake model must agree on every digest every step.
 """
@@ -19,11 +19,15 @@ from transformers import AutoTokenizer
 
 from cluster.audit import check_consistency
 from cluster.config import load_config
-from coordinator.coordinator import Coordinator, KVSettings, ModelInfo, coordinator_from_config
+from coordinator.acceptance import Acceptance
+from coordinator.coordinator import Coordinator
+from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
+from coordinator.factory import coordinator_from_config
 from coordinator.ngram_drafter import NgramDrafter
 from processors import SamplingParams
 from workers.fake_runner import RandomLogitsRunner
-from workers.sampler import Sampler, TokenLogprobs
+from workers.sampler import Sampler
+from workers.wire import TokenLogprobs
 from workers.tiny import ensure_tiny_model
 from workers.wire import StepResult
 from workers.worker import Worker
@@ -36,13 +40,23 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
 
 
+class PerRowAcceptance(Acceptance):
+    """Every row through the per-request code, as before the array paths existed: the reference."""
+
+    def fast_paths(self, simple: np.ndarray, multi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros_like(simple), np.zeros_like(multi)
+
+
+class PerRowCoordinator(Coordinator):
+    acceptance_type = PerRowAcceptance
+
+
 def coordinator(tokenizer, spec: bool, reference: bool) -> Coordinator:
     model = ModelInfo(vocab_size=VOCAB, max_model_len=64, eos_token_id=tokenizer.eos_token_id, generation_config={})
-    c = Coordinator(tokenizer, model, max_num_seqs=8, num_workers=2, rows_per_worker=4,
-                    kv=KVSettings(num_blocks=40, block_size=4, max_num_batched_tokens=64),
-                    drafter=NgramDrafter(3, 1, 2) if spec else None)
-    c.per_row_reference = reference
-    return c
+    config = CoordinatorConfig(max_num_seqs=8, num_workers=2, rows_per_worker=4,
+                               kv=KVSettings(num_blocks=40, block_size=4, max_num_batched_tokens=64))
+    kind = PerRowCoordinator if reference else Coordinator
+    return kind(tokenizer, model, config, drafter=NgramDrafter(3, 1, 2) if spec else None)
 
 
 request_specs = st.lists(

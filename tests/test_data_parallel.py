@@ -17,7 +17,8 @@ import ray
 from cluster import Engine
 from cluster.config import load_config
 from cluster.engine_group import EngineGroup
-from cluster.job import LocalBackend, run_job
+from cluster.job_runner import run_job
+from cluster.local_engine import LocalEngine
 from helpers import FaultAfterFirstResults
 
 CONFIG = {
@@ -85,7 +86,7 @@ def reference(job_input, tmp_path_factory):
     loop was restructured (``RAYSAMPLE_RECORD_GOLDEN=1`` records them anew; no floats in them)."""
     output = tmp_path_factory.mktemp("dp-ref") / "out.jsonl"
     config = load_config(CONFIG)
-    run_job(config, LocalBackend(config), job_input, output, max_in_flight=8)
+    run_job(config, LocalEngine(config), job_input, output, max_in_flight=8)
     records = comparable(output)
     if os.environ.get("RAYSAMPLE_RECORD_GOLDEN"):
         GOLDEN.write_text(json.dumps(records, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
@@ -244,7 +245,7 @@ def test_the_example_parquet_holds_the_example_jsonl():
 
 def test_edge_lines_through_two_engines(group, tmp_path):
     """A few of tests/test_edges.py's lines on Ray: a BOM, the duplicate rule, a run-batch list of prompts."""
-    from cluster.job import OpenAIBatchFormat
+    from cluster.job_formats import OpenAIBatchFormat
 
     config = load_config(CONFIG)
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -13,7 +13,10 @@ import pytest
 import yaml
 
 from cluster.config import load_config
-from cluster.job import GenerateFormat, LocalBackend, OpenAIBatchFormat, main, run_job
+from cluster.job import main
+from cluster.job_formats import GenerateFormat, OpenAIBatchFormat
+from cluster.job_progress import JobCounters
+from cluster.job_runner import run_job
 from cluster.local_engine import LocalEngine
 from helpers import tiny_job_config
 
@@ -28,7 +31,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def backend(config):
-    return LocalBackend(config, LocalEngine(config))
+    return LocalEngine(config)
 
 
 def run_lines(config, backend, tmp_path, lines: list[bytes], batch: bool = False) -> list[dict]:
@@ -112,7 +115,7 @@ def test_text_longer_than_any_prompt_that_fits_is_refused_before_tokenizing_and_
                                       "not read")
     assert records["fine"]["error"] is None
     with pytest.raises(ValueError, match=r"^prompt has \d+ characters: more than fit"):  # the engine checks too
-        backend.engine.coordinator.tokenize(too_long)
+        backend.coordinator.tokenize(too_long)
 
 
 def test_a_huge_max_tokens_stops_at_the_model_limit_and_says_length(config, backend, tmp_path):
@@ -207,7 +210,7 @@ def test_engine_failures_make_the_exit_code_non_zero(tmp_path, capsys, monkeypat
 
     def engine_down(config, backend, source, output, *args, **kwargs):
         output.write_text(json.dumps({"id": "a", "error": "all raysample workers are gone", "retryable": True}) + "\n")
-        return job.JobCounters(total_lines=1, errors=1, retryable=1)
+        return JobCounters(total_lines=1, errors=1, retryable=1)
 
     monkeypatch.setattr(job, "run_job", engine_down)
     code, err = cli(tmp_path, capsys, str(tmp_path / "o.jsonl"))

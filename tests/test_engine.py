@@ -327,7 +327,7 @@ def test_delivered_requests_are_forgotten_so_a_long_lived_engine_stays_flat(engi
     engine.step()  # the last rows leave the batch, then their requests are dropped
     engine.step()
     c = engine.coordinator
-    assert len(c.requests) == len(c.rows) == len(c.detokenizers) == len(c._emitted) == 0
+    assert len(c.requests) == len(c.rows) == len(c.detokenizers) == len(c.outputs.emitted) == 0
 
 
 def test_buffered_outputs_carry_every_delta_in_one_snapshot():

@@ -6,6 +6,8 @@ here the conversion is a cache hit. One converted model and one reference model 
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 from pathlib import Path
@@ -110,24 +112,37 @@ def test_unwritable_cache_names_it_and_the_variable(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def readme_llm_block() -> str:
-    """The first Python block of the README's "5. The Python handle" section."""
-    section = (ROOT / "README.md").read_text().split("### 5. The Python handle", 1)[1]
+def guide_llm_block() -> str:
+    """The first Python block of the guide's "5. The Python handle" section."""
+    section = (ROOT / "docs" / "guide.md").read_text().split("### 5. The Python handle", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_llm_block_on_ray_equals_transformers(reference):
-    """The README's ``LLM`` example, run as written on Ray (2 workers); then greedy chat output
-    through that handle equals transformers ``generate``."""
+def readme_llm_block() -> str:
+    """The README's Python block that starts an ``LLM``."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return next(b for b in blocks if "LLM(" in b)
+
+
+def test_readme_and_guide_llm_blocks_on_ray_equal_transformers(reference):
+    """The README's ``LLM`` example and the guide's, run as written on Ray (2 workers); then greedy
+    chat output through that handle equals transformers ``generate``."""
     import ray
 
     tokenizer, prompts, expected = reference
-    source = readme_llm_block()
+    scope: dict = {}
+    try:
+        exec(compile(readme_llm_block(), "README.md", "exec"), scope)
+        assert "Paris" in scope["out"][0].outputs[0].text
+    except BaseException:
+        ray.shutdown()
+        raise
+    source = guide_llm_block()
     # Keep the engine for the checks below: run the block without its last line (shutdown).
     assert source.rstrip().endswith("llm.shutdown()")
     scope: dict = {}
     try:  # the LLM starts a private Ray instance (address: local)
-        exec(compile(source.rstrip().removesuffix("llm.shutdown()"), "README.md", "exec"), scope)
+        exec(compile(source.rstrip().removesuffix("llm.shutdown()"), "docs/guide.md", "exec"), scope)
         llm, outs, chats, top, bananas = (scope[k] for k in ("llm", "outs", "chats", "top", "bananas"))
         assert llm.config.cluster.num_workers == 2 and not llm.local
         assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # text and ids prompts agree

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from helpers import tiny_job_config
 
 from cluster.config import load_config
-from cluster.job import GenerateFormat, LocalBackend, OpenAIBatchFormat, lock_output, OutputLocked, run_job
+from cluster.job_formats import GenerateFormat, OpenAIBatchFormat
+from cluster.job_records import OutputLocked, lock_output
+from cluster.job_runner import run_job
+from cluster.local_engine import LocalEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +31,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def backend(config):
-    return LocalBackend(config)
+    return LocalEngine(config)
 
 
 def records(path: Path) -> list[dict]:
@@ -94,11 +96,14 @@ def test_bad_lines_get_one_record_each_and_a_fixed_line_runs_again(config, backe
     assert len(newest["sp"]["token_ids"]) == 3 and len(newest["lp"]["logprobs"][0]["top"]) == 2
 
 
-class FlakyBackend(LocalBackend):
+class FlakyBackend:
     """Reports an engine-side (retryable) failure for the requests named, as when every worker is gone."""
 
-    def __init__(self, inner: LocalBackend, failing: set[str]) -> None:
+    def __init__(self, inner: LocalEngine, failing: set[str]) -> None:
         self.inner, self.failing = inner, failing
+
+    def stats(self):
+        return self.inner.stats()
 
     def submit_many(self, prompts, params, request_ids=None, final_only=False):
         return self.inner.submit_many(prompts, params, request_ids, final_only)

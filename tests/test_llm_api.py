@@ -8,7 +8,8 @@ import inspect
 
 import pytest
 
-from cluster import LLM, AsyncLLM, Engine, LocalEngine
+from cluster import LLM, AsyncLLM, Engine
+from cluster.local_engine import LocalEngine
 from cluster.llm_args import config_from_llm_args
 from coordinator.request import FinishReason, RequestOutput
 from processors import SamplingParams

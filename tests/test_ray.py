@@ -397,7 +397,7 @@ def test_random_mixture_of_good_and_bad_lines_on_two_workers(ray_cluster, tmp_pa
     import fuzz_lines
 
     from cluster.config import load_config
-    from cluster.job import run_job
+    from cluster.job_runner import run_job
 
     config = load_config(fuzz_lines.config(workers=2))
     engine = Engine.from_config(config)
@@ -416,7 +416,7 @@ def test_random_mixture_of_good_and_bad_lines_on_two_workers(ray_cluster, tmp_pa
 
 def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, tmp_path):
     from cluster.config import load_config
-    from cluster.job import run_job
+    from cluster.job_runner import run_job
 
     def config(name: str):
         return load_config(base_config(cluster={"num_workers": 2, "max_worker_replacements": 0,

@@ -1,7 +1,7 @@
 """`ray job submit` as a user runs it, on a head started the way Ray 2.60 starts one.
 
 `ray start --head` turns token authentication on when a token exists (``~/.ray/auth_token``, or
-``RAY_AUTH_TOKEN_PATH``); the job client then needs ``RAY_AUTH_MODE=token``, as the README says.
+``RAY_AUTH_TOKEN_PATH``); the job client then needs ``RAY_AUTH_MODE=token``, as docs/guide.md says.
 One head serves every test here.
 """
 
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """A token-auth head; yields (dashboard address, the environment of a user who followed the README)."""
+    """A token-auth head; yields (dashboard address, the environment of a user who followed docs/guide.md)."""
     home = tmp_path_factory.mktemp("ray_home")
     token = home / ".ray" / "auth_token"
     # As a user's shell: the venv activated, RAY_AUTH_MODE unset, a token from an earlier ray.init().
@@ -58,7 +58,7 @@ def ray_head(tmp_path_factory):
 
 
 def submit(address: str, env: dict[str, str], entrypoint: list[str], *extra: str) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir . -- <entrypoint>` from the repository root, README style."""
+    """`ray job submit --working-dir . -- <entrypoint>` from the repository root, as docs/guide.md shows it."""
     return subprocess.run(
         [RAY, "job", "submit", f"--address={address}", "--working-dir", ".", *extra, "--", *entrypoint],
         capture_output=True, text=True, timeout=900, env=env | {"RAY_AUTH_MODE": "token"}, cwd=ROOT,
@@ -75,7 +75,7 @@ def test_token_auth_is_on_and_the_client_needs_the_variable(ray_head):
     assert listing.returncode == 0, listing.stderr[-2000:]
 
 
-def test_ray_job_submit_as_the_readme_shows_it(ray_head, tmp_path):
+def test_ray_job_submit_as_the_guide_shows_it(ray_head, tmp_path):
     address, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(
@@ -185,7 +185,7 @@ def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_
     assert len(json.loads(output.read_text())["token_ids"]) == 4
 
 
-def test_the_ray_data_example_runs_as_the_readme_shows_it(ray_head, tmp_path):
+def test_the_ray_data_example_runs_as_the_guide_shows_it(ray_head, tmp_path):
     """Parquet in, Parquet out, on the default model's 2 workers inside one Ray Data engine actor."""
     import pyarrow.parquet as pq
 

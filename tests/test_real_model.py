@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from cluster.job import LocalBackend, OpenAIBatchFormat, read_records, run_job
+from cluster.job_formats import OpenAIBatchFormat
+from cluster.job_records import read_records
+from cluster.job_runner import run_job
 from cluster.local_engine import LocalEngine
 from processors import SamplingParams
 from processors.structured_outputs import StructuredOutputsParams
@@ -24,9 +26,11 @@ THINK_END = "</think>"
 
 
 def readme_json_lines() -> list[str]:
-    """The JSONL input examples in the README: every ```json block whose lines are records with an id."""
+    """The JSONL input examples in the README and the guide: every ```json block whose lines are
+    records with an id."""
     lines = []
-    for block in re.findall(r"```json\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "guide.md").read_text()
+    for block in re.findall(r"```json\n(.*?)```", text, re.S):
         rows = [line for line in block.splitlines() if line.strip()]
         try:
             records = [json.loads(line) for line in rows]
@@ -51,7 +55,7 @@ def run_lines(engine: LocalEngine, lines: list[str], tmp_path: Path, fmt=None) -
     source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
     format_ = fmt(engine.config) if fmt is not None else None
-    run_job(engine.config, LocalBackend(engine.config, engine), source, sink, max_in_flight=16, line_format=format_)
+    run_job(engine.config, engine, source, sink, max_in_flight=16, line_format=format_)
     key = "custom_id" if fmt is OpenAIBatchFormat else "id"
     return {str(r[key]): r for r in read_records(sink)}
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from coordinator.persistent_batch import BatchEntry, PersistentBatch
 from processors import SamplingParams
 from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
-from processors.bad_words import BadWordsLogitsProcessor, tokenize_bad_words
+from processors.bad_words import BadWordsLogitsProcessor
+from processors.sampling_params import tokenize_bad_words
 from processors.penalties import PenaltiesLogitsProcessor
 from processors.temperature import TemperatureLogitsProcessor
 from processors.top_k_top_p import TopKTopPLogitsProcessor, top_p_threshold

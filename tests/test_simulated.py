@@ -7,7 +7,7 @@ import pytest
 from cluster.config import ConfigError, load_config
 from cluster.local_engine import LocalEngine
 from processors import SamplingParams
-from workers.model_runner import RowWork
+from workers.row_work import RowWork
 from workers.simulated_runner import PRESETS, ComputeModel, SimulatedRunner
 
 PROMPTS = ["Hello there", "The quick brown fox", "a b c d e f", "Numbers: 1 2 3"]

@@ -134,7 +134,7 @@ def test_a_compiling_grammar_does_not_hold_back_other_requests(monkeypatch):
     """While a constraint compiles, requests behind it are admitted and run."""
     import threading
 
-    from processors.structured_output import GrammarCache
+    from processors.grammar_processor import GrammarCache
 
     release = threading.Event()
     compile_ = GrammarCache._compile

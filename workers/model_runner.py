@@ -10,7 +10,6 @@ tokens; attention (``workers.paged_attention``) reads each row's blocks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,9 @@ from workers import native_attention
 from workers.cpu_fusion import fuse_cpu_layers
 from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
-from workers.model_support import check_model_config, resolved_max_model_len, verify_once
+from workers.attention_probe import verify_once
+from workers.model_support import check_model_config, resolved_max_model_len
+from workers.row_work import RowWork
 from workers.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
@@ -36,25 +37,6 @@ from workers.paged_attention import (
 logger = logging.getLogger(__name__)
 
 MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
-
-
-@dataclass
-class RowWork:
-    """One row's work this step: feed ``token_ids`` at positions ``start_pos..``; logits for the last ``num_logits``.
-
-    ``block_table`` must cover every position up to ``start_pos + len(token_ids)``. ``decode``: the row
-    feeds its last generated token (and drafts after it), not a prompt chunk. Attention for the two
-    runs in different kernels on CPU (the decode kernel, SDPA); choosing by what the tokens are, not
-    by how many a step feeds, computes a prompt token the same way whether its prompt came in one
-    chunk, in several or after a prefix-cache hit, so a seeded request's output does not depend on
-    the batch in bfloat16 either (where the two kernels round differently).
-    """
-
-    block_table: list[int]
-    token_ids: list[int]
-    start_pos: int
-    num_logits: int = 1
-    decode: bool = False
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.sampler import Sampler, TokenLogprobs
+from workers.sampler import Sampler
+from workers.wire import TokenLogprobs
 
 
 @dataclass

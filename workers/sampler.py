@@ -41,16 +41,17 @@ from processors import (
 from processors.loading import load_custom_processors, split_by_interface
 from processors.allowed_token_ids import AllowedTokenIdsLogitsProcessor
 from processors.bad_words import BadWordsLogitsProcessor
-from processors.structured_output import StructuredOutputLogitsProcessor
+from processors.grammar_processor import StructuredOutputLogitsProcessor
 from processors.loading import CustomProcessor
 from processors.penalties import PenaltiesLogitsProcessor
-from processors.row_state import RowColumns
+from processors.row_columns import RowColumns
 from processors.sampling_params import SAMPLING_EPS
 from processors.temperature import TemperatureLogitsProcessor
 from processors.thinking_budget import ThinkingBudgetStateHolder
 from processors.top_k_top_p import TopKTopPLogitsProcessor
 from workers.counter_rng import gumbel_argmax, stream_base
 from workers.slot_processors import SlotProcessorFailure, SlotProcessorHost
+from workers.wire import TokenLogprobs
 
 
 class LogitsProcessorError(RuntimeError):
@@ -81,17 +82,6 @@ def check_logits(out: Any, shape: torch.Size, dtype: torch.dtype, device: torch.
 def checked_apply(proc: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     shape, dtype, device = logits.shape, logits.dtype, logits.device
     return check_logits(proc.apply(logits), shape, dtype, device)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled position, from the raw (unprocessed) logits."""
-
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-    sampled_token_id: int
-    sampled_logprob: float
-    sampled_rank: int  # 1 = most likely
 
 
 @dataclass

@@ -14,7 +14,6 @@ from functools import cached_property
 import numpy as np
 
 from processors import MoveDirectionality, SamplingParams
-from workers.sampler import TokenLogprobs
 
 EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -24,6 +23,18 @@ def offsets_of(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled position, from the raw (unprocessed) logits."""
+
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int  # 1 = most likely
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import torch
 
 from workers.wire import StepPlan, StepResult, offsets_of
 from workers.mirror import BatchMirror
-from workers.model_runner import ModelRunner, RowWork
+from workers.model_runner import ModelRunner
+from workers.row_work import RowWork
 from workers.rejection import verify_drafts
 from workers.sampler import Sampler
 

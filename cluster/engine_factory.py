@@ -1,0 +1,23 @@
+"""The one place an engine is built from a config: in this process, or on Ray (one engine,
+or ``cluster.num_engines`` of them behind one handle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cluster.config import RaysampleConfig, load_config
+from cluster.engine_api import RequestAPI
+
+
+def build_engine(config: RaysampleConfig | dict[str, Any] | str | Path, local: bool = False) -> RequestAPI:
+    """``local``: coordinator and workers in this process (``LocalEngine``), stepped by its
+    callers; else an ``Engine`` on Ray (started, or joined per ``cluster.address``)."""
+    config = load_config(config)
+    if local:
+        from cluster.local_engine import LocalEngine
+
+        return LocalEngine(config)
+    from cluster.client import Engine
+
+    return Engine.from_config(config)

@@ -1,0 +1,109 @@
+"""Writing the job's output: one JSON record per result or error, flushed as it finishes;
+reading it back to resume; the lock that keeps a second job off the same output."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from coordinator.request import CompletionOutput, RequestOutput, top_of
+
+
+def completion_record(completion: CompletionOutput, num_logprobs: int | None = None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+        "stop_reason": completion.stop_reason,
+    }
+    if completion.logprobs is not None:
+        k = -1 if num_logprobs is None else num_logprobs
+        record["logprobs"] = [
+            {"token_id": token, "logprob": position[token].logprob, "rank": position[token].rank,
+             "top": [[t, lp.logprob] for t, lp in top_of(position, token, k)]}
+            for token, position in zip(completion.token_ids, completion.logprobs)
+        ]
+    return record
+
+
+def result_record(rid: Any, out: RequestOutput, num_logprobs: int | None = None) -> dict[str, Any]:
+    """The first completion's fields at the top level; with n > 1 every completion under ``outputs``."""
+    record: dict[str, Any] = {"id": rid, **completion_record(out.outputs[0], num_logprobs), "error": out.error,
+                              "prompt_tokens": len(out.prompt_token_ids)}
+    if len(out.outputs) > 1:
+        record["outputs"] = [{"index": c.index, **completion_record(c, num_logprobs)} for c in out.outputs]
+    end = out.finished_time or time.monotonic()
+    record["timing"] = {
+        "first_token_s": None if out.first_token_time is None else round(out.first_token_time - out.arrival_time, 4),
+        "total_s": round(end - out.arrival_time, 4),
+    }
+    return record
+
+
+def error_record(rid: Any, line_no: int, message: str) -> dict[str, Any]:
+    return {"id": rid, "line": line_no, "error": message, "finish_reason": "error"}
+
+
+@dataclass
+class Written:
+    """What an existing output already holds, as resume sees it.
+
+    Done: ids with a result, and lines whose exact content got a request-level error (bad
+    JSON, bad parameters). Engine-side failures (``retryable``) are not done: they run again.
+    """
+
+    ids: set[str] = field(default_factory=set)
+    lines: set[str] = field(default_factory=set)  # line_digest of lines with a final error record
+
+    def done(self, digest: str, key: str | None) -> bool:
+        return digest in self.lines or (key is not None and key in self.ids)
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of an existing output; a torn last line from a crash is skipped (and later overwritten)."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def open_for_append(path: Path) -> TextIO:
+    """Append, first dropping a torn (unterminated) last line left by an interrupted run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:
+        data = path.read_bytes()
+        if not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
+    return path.open("a", encoding="utf-8")
+
+
+class OutputLocked(RuntimeError):
+    """The output cannot be held: another job is writing it, or it cannot be written at all."""
+
+
+def lock_output(path: Path) -> TextIO:
+    """Hold an exclusive lock on the output for the job's lifetime: two writers would duplicate every id."""
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a", encoding="utf-8")
+    except OSError as exc:
+        raise OutputLocked(f"--output {path} cannot be written: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise OutputLocked(f"{path} is being written by another raysample job; wait for it to finish or choose "
+                           "another --output") from None
+    return handle

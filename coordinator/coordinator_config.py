@@ -1,0 +1,72 @@
+"""What the coordinator is built from: the model's facts, the KV geometry, and its settings.
+
+All frozen: the coordinator never changes them, and a newcomer finds every knob here
+instead of in a long constructor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from processors import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the coordinator needs to know about the model (no weights)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    generation_config: dict[str, Any]
+
+    @classmethod
+    def load(cls, model_path: str, max_model_len: int | None, tokenizer: Any, trust_remote_code: bool = False) -> ModelInfo:
+        from transformers import AutoConfig, GenerationConfig
+
+        from workers.model_support import resolved_max_model_len
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        try:
+            generation = GenerationConfig.from_pretrained(model_path).to_dict()
+        except OSError:
+            generation = {}
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            gen_eos = generation.get("eos_token_id")
+            eos = gen_eos[0] if isinstance(gen_eos, list) and gen_eos else gen_eos
+        return cls(
+            vocab_size=config.vocab_size,
+            max_model_len=resolved_max_model_len(config, max_model_len),
+            eos_token_id=eos,
+            generation_config={"eos_token_id": generation.get("eos_token_id")},
+        )
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """Block geometry the workers reported, and the scheduling knobs that depend on it."""
+
+    num_blocks: int  # per worker
+    block_size: int = 16
+    prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """The coordinator's settings (``coordinator.factory`` fills them from a ``RaysampleConfig``)."""
+
+    max_num_seqs: int
+    num_workers: int
+    rows_per_worker: int  # a worker's shard of the batch (scheduler.max_num_seqs_per_worker)
+    kv: KVSettings
+    seed: int = 0
+    custom_processors: tuple[Any, ...] = ()  # user processors (specs), validated at admission
+    processors_from_entry_points: bool = True
+    consistency_check_every: int = 0  # audit the replicas every N steps (0: never)
+    default_params: SamplingParams = field(default_factory=SamplingParams)
+    reasoning_enabled: bool = False  # a reasoning section (thinking budgets) is configured
+    grammar_cache_size: int = 256
+    max_logprobs: int = 20
