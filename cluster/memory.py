@@ -20,7 +20,10 @@ workers on a node than fit. GPU workers size their cache from their device (``Mo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 GiB = 1 << 30
@@ -45,6 +48,15 @@ class ModelMemory:
     @classmethod
     def of(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
            ) -> ModelMemory:
+        """From ``config.json`` and the safetensors headers when the model is a plain local directory
+        (milliseconds: this runs on the driver before any worker starts); else from a model built on
+        the meta device (seconds: transformers and the model's code are imported)."""
+        fast = None if trust_remote_code else _from_files(Path(model_path), dtype, max_model_len)
+        return fast if fast is not None else cls.built_on_meta(model_path, dtype, max_model_len, trust_remote_code)
+
+    @classmethod
+    def built_on_meta(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
+                      ) -> ModelMemory:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,6 +71,45 @@ class ModelMemory:
         weights = sum(p.numel() for p in model.parameters()) * size
         layers, kv_heads, head_dim = kv_geometry(config)
         return cls(weights, 2 * layers * kv_heads * head_dim * size, resolved_max_model_len(config, max_model_len))
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_RUNTIME_BYTES_PER_ELEMENT = {"float32": 4, "auto": 4, "bfloat16": 2, "float16": 2}  # "auto" is float32 on CPU
+
+
+def _from_files(path: Path, dtype: str, max_model_len: int | None) -> ModelMemory | None:
+    """The facts without importing torch or transformers; None when the files do not say them
+    plainly (no safetensors, a nested config, a dtype or tensor type not listed here)."""
+    from workers.model_support import resolved_max_model_len
+
+    config_file = path / "config.json"
+    weights = sorted(path.glob("*.safetensors"))
+    size = _RUNTIME_BYTES_PER_ELEMENT.get(dtype)
+    if not config_file.is_file() or not weights or size is None:
+        return None
+    config = json.loads(config_file.read_text())
+    if not all(key in config for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+        return None
+    elements = 0
+    for file in weights:
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            width = _SAFETENSORS_BYTES.get(tensor["dtype"])
+            if width is None:
+                return None
+            start, end = tensor["data_offsets"]
+            elements += (end - start) // width
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    facts = SimpleNamespace(max_position_embeddings=config.get("max_position_embeddings"),
+                            architectures=config.get("architectures"), model_type=config.get("model_type"))
+    return ModelMemory(elements * size, 2 * config["num_hidden_layers"] * kv_heads * head_dim * size,
+                       resolved_max_model_len(facts, max_model_len))
 
 
 @dataclass(frozen=True)

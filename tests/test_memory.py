@@ -17,6 +17,7 @@ import pytest
 
 from cluster.config import load_config
 from cluster.memory import GiB, RUNTIME_BYTES, MemoryPlanError, ModelMemory, plan_cpu_memory
+from workers.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelMemory(weights=GiB // 2, kv_per_token=46080, max_model_len=8192)  # SmolLM2-135M in float32
@@ -55,9 +56,15 @@ def test_a_budget_the_node_cannot_hold_or_that_holds_no_request_is_one_line_nami
 def test_the_model_facts_come_from_its_config_without_loading_weights():
     from workers.model_source import gguf_to_transformers, preset_gguf
 
-    facts = ModelMemory.of(str(gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), "float32")), "float32", None)
+    path = str(gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), "float32"))
+    facts = ModelMemory.of(path, "float32", None)
     assert facts.max_model_len == 8192 and facts.kv_per_token == 2 * 30 * 3 * 64 * 4
     assert 130e6 * 4 < facts.weights < 140e6 * 4  # 134.5M parameters, tied embeddings counted once
+    # Read from the files (no transformers, no torch): what a model built on the meta device says.
+    assert facts == ModelMemory.built_on_meta(path, "float32", None)
+    assert ModelMemory.of(path, "bfloat16", 1024) == ModelMemory.built_on_meta(path, "bfloat16", 1024)
+    tiny = str(ensure_tiny_model("default"))
+    assert ModelMemory.of(tiny, "float32", None) == ModelMemory.built_on_meta(tiny, "float32", None)
 
 
 def test_llm_with_only_a_model_answers_in_process():
