@@ -93,7 +93,7 @@ class EngineStage:
         import pyarrow as pa
 
         if self.preprocess is not None:
-            batch = pa.Table.from_pylist([self.preprocess(row) for row in batch.to_pylist()])
+            batch = typed_like(pa.Table.from_pylist([self.preprocess(row) for row in batch.to_pylist()]), batch.schema)
         rows = batch.to_pylist()
         outputs: list[Row] = [{} for _ in rows]
         submitted: list[tuple[int, str, Any, Any]] = []
@@ -158,14 +158,33 @@ def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
 
 
 def typed_like(table: Any, schema: Any) -> Any:
-    """Columns that came out all-null in this batch get the type they had before (when they had one)."""
+    """Columns typed from this batch's rows alone get the type they had before: a column, or a field
+    nested in one, that is null in every row of a small batch comes out null-typed, and blocks (or
+    Parquet files) typed so do not join the others. Only such columns are cast; a column whose type
+    a row function changed keeps it."""
     import pyarrow as pa
 
     for i, field in enumerate(table.schema):
-        if pa.types.is_null(field.type) and field.name in schema.names:
-            typed = schema.field(field.name)
-            table = table.set_column(i, typed, pa.nulls(table.num_rows, typed.type))
+        if field.name not in schema.names or not _has_null_type(field.type):
+            continue
+        typed = schema.field(field.name)
+        try:
+            table = table.set_column(i, typed, table.column(i).cast(typed.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            pass  # the row function changed the column's shape: keep what its rows say
     return table
+
+
+def _has_null_type(kind: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_null(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(_has_null_type(kind.field(j).type) for j in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _has_null_type(kind.value_type)
+    return False
 
 
 class Processor:

@@ -261,3 +261,22 @@ def test_edge_lines_through_two_engines(group, tmp_path):
     run_job(config, group, source, output, max_in_flight=4, line_format=OpenAIBatchFormat(config))
     [record] = map(json.loads, output.read_text().splitlines())
     assert [c["index"] for c in record["response"]["body"]["choices"]] == list(range(6)), record
+
+
+def test_row_functions_keep_the_column_types_a_small_batch_cannot_infer():
+    """A preprocess/postprocess result is typed from its batch's rows: a field null in all of them
+    comes out null-typed, and Parquet files of such blocks cannot be read back as one table. Those
+    columns get their earlier type back; a column the function retyped keeps its new type."""
+    import pyarrow as pa
+
+    from cluster.data import typed_like
+
+    before = pa.Table.from_pylist([{"sp": {"seed": 1, "stop": ["x"]}, "extra": {"t": "a"}, "n": 1},
+                                   {"sp": {"seed": None, "stop": None}, "extra": None, "n": 2}])
+    small = pa.Table.from_pylist([{"sp": {"seed": None, "stop": None}, "extra": None, "n": "one"}])
+    typed = typed_like(small, before.schema)
+    assert typed.schema.field("sp").type == before.schema.field("sp").type
+    assert typed.schema.field("extra").type == before.schema.field("extra").type
+    assert typed.schema.field("n").type == pa.string()  # retyped by the function: kept
+    assert typed.to_pylist() == small.to_pylist()
+    assert pa.concat_tables([before.drop_columns(["n"]), typed.drop_columns(["n"])]).num_rows == 3
