@@ -60,8 +60,8 @@ class ModelMemory:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from workers.model_runner import kv_geometry, resolve_dtype
-        from workers.model_support import resolved_max_model_len
+        from workers.model_runner import resolve_dtype
+        from workers.model_support import kv_geometry, resolved_max_model_len
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
@@ -81,7 +81,7 @@ _RUNTIME_BYTES_PER_ELEMENT = {"float32": 4, "auto": 4, "bfloat16": 2, "float16":
 def _from_files(path: Path, dtype: str, max_model_len: int | None) -> ModelMemory | None:
     """The facts without importing torch or transformers; None when the files do not say them
     plainly (no safetensors, a nested config, a dtype or tensor type not listed here)."""
-    from workers.model_support import resolved_max_model_len
+    from workers.model_support import kv_geometry, resolved_max_model_len
 
     config_file = path / "config.json"
     weights = sorted(path.glob("*.safetensors"))
@@ -103,12 +103,9 @@ def _from_files(path: Path, dtype: str, max_model_len: int | None) -> ModelMemor
                 return None
             start, end = tensor["data_offsets"]
             elements += (end - start) // width
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    facts = SimpleNamespace(max_position_embeddings=config.get("max_position_embeddings"),
-                            architectures=config.get("architectures"), model_type=config.get("model_type"))
-    return ModelMemory(elements * size, 2 * config["num_hidden_layers"] * kv_heads * head_dim * size,
+    facts = SimpleNamespace(**{"max_position_embeddings": None, "model_type": None, **config})
+    layers, kv_heads, head_dim = kv_geometry(facts)
+    return ModelMemory(elements * size, 2 * layers * kv_heads * head_dim * size,
                        resolved_max_model_len(facts, max_model_len))
 
 

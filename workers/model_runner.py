@@ -20,7 +20,7 @@ from workers.cpu_fusion import fuse_cpu_layers
 from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
 from workers.attention_probe import verify_once
-from workers.model_support import check_model_config, resolved_max_model_len
+from workers.model_support import check_model_config, kv_geometry, resolved_max_model_len
 from workers.row_work import RowWork
 from workers.paged_attention import (
     ATTENTION_NAME,
@@ -70,14 +70,6 @@ def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> 
         native_attention.load()  # raises NativeKernelUnavailable with the compiler's reason
         return True
     return native_attention.available()
-
-
-def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a transformers config."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, head_dim
 
 
 class ModelRunner:

@@ -67,3 +67,11 @@ def check_model_config(config: Any, max_model_len: int) -> None:
                     f"{arch}: RoPE '{rope_type}' changes with the longest position in a forward pass beyond "
                     f"{original} tokens; set model.max_model_len <= {original}"
                 )
+
+
+def kv_geometry(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
