@@ -6,22 +6,27 @@ vocabulary, through the real sampler). Every worker gets the same load (``--rows
 rows, twice that many seeded requests of ``--max-tokens`` tokens, ignore_eos), so ideal
 scaling is the one-worker rate times the workers.
 
-Two figures for every run:
+Every shape runs twice, synchronous and pipelined (``scheduler.async_scheduling``: each
+worker launches its next forward before the next plan arrives), on the same load, so the
+two schedules are identical step for step. Figures for every run:
 - **as measured** here, where every process (coordinator, workers, Ray) shares this machine's
-  cores, which a GPU node with a core per GPU does not;
-- **own core**: the rate if every process had a core of its own. A step then takes the
-  coordinator's CPU on the critical path + one plan fan-out and result gather (an idle actor
-  round trip, measured in the same run) + the slowest worker's host CPU and modelled compute.
-  CPU times are per thread (``time.thread_time``), which contention does not stretch.
+  cores, which a GPU node with a core per GPU does not; against linear from one worker, and
+  against the rate the modelled compute alone allows (the synchronous run's modelled step
+  times: what the load needs);
+- **own core**: the rate if every process had a core of its own (``cluster.step_profile``: the
+  coordinator's CPU on the critical path, an idle actor round trip, each worker's host CPU and
+  modelled compute; in the pipelined step planning overlaps the forward launched ahead). CPU
+  times are per thread (``time.thread_time``), which contention does not stretch.
 
 Runs: one engine with 1..16 workers over plain actor calls; k engines x W workers with
 k*W = 16; one engine over a Ray compiled graph (its channels busy-wait, so on a small machine
 it is shown as measured only: the spin is CPU time, the own-core model cannot separate it).
-Prints a table with where each step's time goes, and draws both curves against ideal
+Prints a table with where each step's time goes, and draws the curves against ideal
 scaling in ``--plot`` (PNG).
 
-    python bench/scale_out.py [--workers 1,2,4,8,16] [--engines 2,4,8,16] [--compiled 1,2,4]
-                              [--rows 64] [--max-tokens 64] [--plot bench/scale_out.png] [--quick]
+    python bench/scale_out.py [--workers 1,4,16] [--engines 2,4,8,16] [--compiled 1,2,4]
+                              [--modes sync,pipelined] [--rows 64] [--max-tokens 64]
+                              [--plot bench/scale_out.png] [--quick]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Run:
     engines: int
     workers: int  # per engine
     compiled: bool
+    pipelined: bool
     tokens: int
     seconds: float
     profiles: list[dict[str, float]]  # per engine, over the timed run
@@ -57,7 +63,11 @@ class Run:
     @property
     def label(self) -> str:
         kind = "compiled graph" if self.compiled else "actor calls"
-        return f"{self.engines} x {self.workers:>2}, {kind}"
+        return f"{self.engines} x {self.workers:>2}, {kind}, {'pipelined' if self.pipelined else 'sync'}"
+
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        return self.engines, self.workers, self.compiled
 
     @property
     def total_workers(self) -> int:
@@ -67,7 +77,11 @@ class Run:
         return self.tokens / self.seconds
 
     def own_core_seconds(self, profile: dict[str, float]) -> float:
-        return profile["coordinator_cpu_s"] + profile["steps"] * self.round_trip_s + profile["own_core_worker_s"]
+        return profile["own_core_s"]
+
+    def compute_seconds(self) -> float:
+        """Modelled compute of the slowest engine's steps (engines run side by side)."""
+        return max(p["simulated_s"] for p in self.profiles)
 
     def own_core_rate(self) -> float:
         """Engines run side by side, each on cores of its own: the slowest one sets the time."""
@@ -82,7 +96,8 @@ class Run:
 
         parts = {"step (as measured)": ms("wall_s"), "coordinator CPU": ms("coordinator_cpu_s"),
                  "fan-out + gather": 1000 * self.round_trip_s, "slowest worker CPU": ms("worker_cpu_s"),
-                 "modelled compute": ms("simulated_s"), "stragglers": ms("straggler_s")}
+                 "modelled compute": ms("simulated_s"), "of it ahead": ms("ahead_s"),
+                 "worker CPU overlapped": ms("overlap_cpu_s"), "stragglers": ms("straggler_s")}
         own = sum(self.own_core_seconds(p) for p in self.profiles) / steps * 1000
         parts["coord.: W calls"] = 1000 * self.calls_cpu_s
         parts["own-core step"] = own
@@ -117,12 +132,13 @@ def calls_cpu(workers: list, rounds: int = 30) -> float:
     return statistics.median(times)
 
 
-def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool) -> Run:
+def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool, pipelined: bool) -> Run:
     config = {
         "model": {"tiny": "default", "max_model_len": 256, "simulate": {"preset": preset}},
         "cluster": {"num_workers": workers, "num_engines": engines, "cpus_per_worker": 1, "compiled_graph": compiled,
-                    "coordinator_name": f"scale-{engines}x{workers}{'-cg' if compiled else ''}"},
-        "scheduler": {"max_num_seqs": rows * workers, "max_num_batched_tokens": 64 * rows * workers},
+                    "coordinator_name": f"scale-{engines}x{workers}{'-cg' if compiled else ''}-{int(pipelined)}"},
+        "scheduler": {"max_num_seqs": rows * workers, "max_num_batched_tokens": 64 * rows * workers,
+                      "async_scheduling": pipelined},
     }
     engine = Engine.from_config(config)
     try:
@@ -141,51 +157,77 @@ def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, com
     finally:
         engine.shutdown()
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
-    return Run(engines, workers, compiled, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta, round_trip,
-               fan_out)
+    return Run(engines, workers, compiled, pipelined, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta,
+               round_trip, fan_out)
 
 
-def report(runs: list[Run], base: Run) -> None:
-    print(f"\n{'run (engines x workers)':<28} {'tokens/s':>9} {'as measured':>12} {'own core':>9}   "
-          "(fraction of linear from 1 worker)")
+def base_of(runs: list[Run], r: Run) -> Run:
+    """The one-worker run of the same kind (transport and mode): linear scaling starts there."""
+    return next(b for b in runs if b.engines == 1 and b.workers == 1 and b.compiled == r.compiled
+                and b.pipelined == r.pipelined)
+
+
+def compute_only_s(runs: list[Run], r: Run) -> float:
+    """Seconds the load needs at the modelled compute alone: the synchronous run's modelled steps
+    (one forward a step, the same schedule); a pipelined run's own when no synchronous one ran."""
+    sync = [s for s in runs if s.shape == r.shape and not s.pipelined]
+    return (sync[0] if sync else r).compute_seconds()
+
+
+def report(runs: list[Run]) -> None:
+    print(f"\n{'run (engines x workers)':<44} {'tokens/s':>9} {'as measured':>12} {'own core':>9} "
+          f"{'vs compute':>11} {'per worker':>11}")
+    print(f"{'':<44} {'':>9} {'(fraction of linear from 1 worker)':>33} {'(as measured, vs the compute alone)':>24}")
     for r in runs:
+        base = base_of(runs, r)
         ideal_measured = base.rate() * r.total_workers
         ideal_own = base.own_core_rate() * r.total_workers
         own = "n/a (spin)" if r.compiled else f"{r.own_core_rate() / ideal_own:9.1%}"
-        print(f"{r.label:<28} {r.rate():9.0f} {r.rate() / ideal_measured:12.1%} {own:>9}")
+        vs_compute = compute_only_s(runs, r) / r.seconds
+        print(f"{r.label:<44} {r.rate():9.0f} {r.rate() / ideal_measured:12.1%} {own:>9} {vs_compute:11.1%} "
+              f"{vs_compute / r.total_workers * r.engines:11.1%}")
     print("\nwhere a step goes, ms (averaged over engines' steps)")
-    keys = list(base.per_step_ms())
-    print(f"{'run':<28} " + " ".join(f"{k:>19}" for k in keys))
+    keys = list(runs[0].per_step_ms())
+    print(f"{'run':<44} " + " ".join(f"{k:>21}" for k in keys))
     for r in runs:
-        print(f"{r.label:<28} " + " ".join(f"{v:19.2f}" for v in r.per_step_ms().values()))
+        print(f"{r.label:<44} " + " ".join(f"{v:21.2f}" for v in r.per_step_ms().values()))
 
 
-def plot(runs: list[Run], base: Run, path: Path) -> None:
+def plot(runs: list[Run], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    one = [r for r in runs if r.engines == 1 and not r.compiled]
-    many = [r for r in runs if r.total_workers == TOTAL_WORKERS and not r.compiled]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = [r.workers for r in one]
-    left.plot(xs, [base.own_core_rate() * x for x in xs], "k--", label="ideal (own core)")
-    left.plot(xs, [r.own_core_rate() for r in one], "o-", label="own core per process")
-    left.plot(xs, [base.rate() * x for x in xs], ":", color="grey", label="ideal (as measured)")
-    left.plot(xs, [r.rate() for r in one], "s-", label="as measured (2-core VM)")
+    for pipelined, mark in ((False, "o"), (True, "s")):
+        one = [r for r in runs if r.engines == 1 and not r.compiled and r.pipelined == pipelined]
+        if not one:
+            continue
+        mode = "pipelined" if pipelined else "sync"
+        xs = [r.workers for r in one]
+        left.plot(xs, [r.own_core_rate() for r in one], mark + "-", label=f"{mode}: own core per process")
+        left.plot(xs, [r.rate() for r in one], mark + ":", label=f"{mode}: as measured (2-core VM)")
+    ideal = [r for r in runs if r.engines == 1 and not r.compiled and not r.pipelined]
+    if ideal:
+        xs = [r.workers for r in ideal]
+        per_worker = compute_only_s(runs, ideal[0]) and ideal[0].tokens / compute_only_s(runs, ideal[0])
+        left.plot(xs, [per_worker * x for x in xs], "k--", label="ideal: the modelled compute alone")
+        left.set_xticks(xs, [str(x) for x in xs])
     left.set(xlabel="simulated H100 workers in one engine", ylabel="tokens/s", title="One engine",
              xscale="log", yscale="log")
-    left.set_xticks(xs, [str(x) for x in xs])
-    left.legend(fontsize=8)
-    labels = [f"{r.engines}x{r.workers}" for r in many]
+    left.legend(fontsize=7)
+    many = [r for r in runs if r.total_workers == TOTAL_WORKERS and not r.compiled and r.engines > 1]
+    labels = [f"{r.engines}x{r.workers}{' p' if r.pipelined else ''}" for r in many]
     at = range(len(many))
-    right.bar([i - 0.2 for i in at], [r.own_core_rate() / (base.own_core_rate() * 16) for r in many], 0.4,
-              label="own core")
-    right.bar([i + 0.2 for i in at], [r.rate() / (base.rate() * 16) for r in many], 0.4, label="as measured")
+    right.bar([i - 0.2 for i in at],
+              [r.own_core_rate() / (base_of(runs, r).own_core_rate() * 16) for r in many], 0.4, label="own core")
+    right.bar([i + 0.2 for i in at], [r.rate() / (base_of(runs, r).rate() * 16) for r in many], 0.4,
+              label="as measured")
     right.axhline(1.0, color="k", linestyle="--", linewidth=1)
     right.set_xticks(list(at), labels)
-    right.set(xlabel="engines x workers (16 workers)", ylabel="fraction of linear", title="16 workers", ylim=(0, 1.1))
+    right.set(xlabel="engines x workers (16 workers; p: pipelined)", ylabel="fraction of linear",
+              title="16 workers", ylim=(0, 1.1))
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -194,9 +236,10 @@ def plot(runs: list[Run], base: Run, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", default="1,2,4,8,16", help="workers in one engine")
+    parser.add_argument("--workers", default="1,4,16", help="workers in one engine")
     parser.add_argument("--engines", default="2,4,8,16", help="engines k, each with 16/k workers")
     parser.add_argument("--compiled", default="1,2,4", help="workers in one engine over a compiled graph")
+    parser.add_argument("--modes", default="sync,pipelined", help="sync, pipelined or both (the same load each)")
     parser.add_argument("--rows", type=int, default=64, help="rows per worker")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--preset", default="llama-8b-h100")
@@ -209,6 +252,7 @@ def main() -> None:
 
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
+    modes = [{"sync": False, "pipelined": True}[m] for m in args.modes.split(",") if m]
     if args.quick:
         shapes = [(1, 1, False), (2, 1, False)]
         rows, max_tokens = 8, 8
@@ -224,16 +268,16 @@ def main() -> None:
     runs: list[Run] = []
     try:
         for engines, workers, compiled in shapes:
-            r = run(engines, workers, rows, max_tokens, args.preset, compiled)
-            runs.append(r)
-            print(f"{r.label}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s "
-                  f"(own core {r.own_core_rate():.0f})", flush=True)
+            for pipelined in modes:
+                r = run(engines, workers, rows, max_tokens, args.preset, compiled, pipelined)
+                runs.append(r)
+                print(f"{r.label}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s "
+                      f"(own core {r.own_core_rate():.0f})", flush=True)
     finally:
         ray.shutdown()
-    base = next(r for r in runs if r.engines == 1 and r.workers == 1 and not r.compiled)
-    report(runs, base)
+    report(runs)
     if args.plot:
-        plot(runs, base, args.plot)
+        plot(runs, args.plot)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ class EngineCore:
         inputs = in_background(coordinator_inputs, self.config, model_path, name="raysample-coordinator-inputs")
         self.executor = RayExecutor(self.config, placement, workers)
         num_blocks, block_size = self.executor.start()
+        round_trip_s = self.executor.round_trip_s()
         self.coordinator = coordinator_from_config(self.config, model_path, num_blocks, block_size, inputs.result())
         self.coordinator.kv_note = kv_note
         self.ray_metrics = EngineRayMetrics(self.config.cluster.coordinator_name,
@@ -72,7 +73,7 @@ class EngineCore:
         self.finished: dict[str, int] = {}  # requests by finish reason
         self.fatal: str | None = None
         self.step_overhead_ms: deque[float] = deque(maxlen=1000)
-        self.profile = StepProfile()
+        self.profile = StepProfile(round_trip_s=round_trip_s)
         self.recoveries = 0
         self._stop = False
         self._started = time.monotonic()
@@ -170,6 +171,8 @@ class EngineCore:
                 "spec_proposed": m.spec_proposed,
                 "spec_accepted": m.spec_accepted,
                 "spec_acceptance": m.spec_acceptance,
+                "ahead_rows": m.ahead_rows,
+                "ahead_wasted_rows": m.ahead_wasted_rows,
                 "step_overhead_ms_median": overhead[len(overhead) // 2] if overhead else None,
                 "profile": asdict(self.profile),
                 "recoveries": self.recoveries,

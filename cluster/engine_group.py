@@ -318,7 +318,8 @@ class EngineGroup(RequestAPI):
             alive = [s for s in per if s is not None]
             total = {key: sum(s.get(key) or 0 for s in alive)
                      for key in ("running", "waiting", "workers_alive", "steps", "generated_tokens",
-                                 "tokens_per_s", "tokens_per_s_lifetime", "spec_proposed", "spec_accepted")}
+                                 "tokens_per_s", "tokens_per_s_lifetime", "spec_proposed", "spec_accepted",
+                                 "ahead_rows", "ahead_wasted_rows")}
             proposed = total["spec_proposed"]
             return {
                 **total,

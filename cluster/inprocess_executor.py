@@ -90,3 +90,5 @@ class InProcessExecutor(Executor):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+        for worker in self.workers.values():
+            worker.shutdown()

@@ -106,7 +106,8 @@ class LocalEngine(RequestAPI):
         m, c = self.coordinator.metrics, self.coordinator
         return {"running": c.num_running(), "waiting": c.num_waiting(), "workers_alive": len(self.workers),
                 "steps": m.steps, "generated_tokens": m.generated_tokens, "tokens_per_s": m.generation_rate.rate(),
-                "spec_acceptance": m.spec_acceptance, **c.kv_stats(), "kv_cache": c.kv_summary()}
+                "spec_acceptance": m.spec_acceptance, "ahead_rows": m.ahead_rows,
+                "ahead_wasted_rows": m.ahead_wasted_rows, **c.kv_stats(), "kv_cache": c.kv_summary()}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -54,6 +54,16 @@ class RayExecutor(Executor):
     def worker_ids(self) -> list[int]:
         return sorted(self.workers)
 
+    def round_trip_s(self, calls: int = 20) -> float:
+        """Median seconds of an idle call to the first worker and back (the step profile's transport)."""
+        worker = self.workers[self.worker_ids[0]]
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ray.get(worker.ready.remote(), timeout=self.timeout_s)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
     def has_spare_core(self) -> bool:
         """Whether this node has a core that no CPU worker's threads use.
 

@@ -15,6 +15,10 @@ class EngineMetrics:
     spec_proposed: int = 0
     spec_accepted: int = 0
     prefill_tokens: int = 0  # tokens computed for prompts (and recomputed outputs), not decode tokens
+    # The pipelined step: rows whose logits came from the forward a worker launched before the plan,
+    # and rows that forward computed which the plan did not keep (finished, preempted, moved).
+    ahead_rows: int = 0
+    ahead_wasted_rows: int = 0
     started: float = field(default_factory=time.monotonic)
     generation_rate: WindowedRate = field(default_factory=WindowedRate)  # output tokens/s, last 10 s
 

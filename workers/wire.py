@@ -138,6 +138,13 @@ class StepResult:
     # waiting is not in it), and the modelled compute slept by a simulated runner.
     cpu_s: float = 0.0
     simulated_s: float = 0.0
+    # The pipelined step (``workers.ahead``): rows whose logits the forward launched at the end of
+    # the last step computed, rows it computed that the plan did not keep, its modelled compute,
+    # and the CPU seconds of applying this plan while it ran (off the step's critical path).
+    ahead_rows: int = 0
+    wasted_rows: int = 0
+    ahead_s: float = 0.0
+    overlap_cpu_s: float = 0.0
 
     def token_lists(self) -> list[list[int]]:
         """Per shard row, its tokens (for tests and slow paths)."""

@@ -2,7 +2,9 @@
 
 Every worker applies every plan to its mirror and sampler, so processor state
 is identical everywhere; only the owner of a request keeps its KV cache, runs
-the model for it and samples it.
+the model for it and samples it. With ``launch_ahead`` (the pipelined step,
+``scheduler.async_scheduling``) the forward of the next step starts as soon as
+this one is sampled (``workers.ahead``), and applying the next plan overlaps it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.ahead import Forwards, guess_next
 from workers.wire import StepPlan, StepResult, offsets_of
 from workers.mirror import BatchMirror
 from workers.model_runner import ModelRunner
@@ -24,19 +27,26 @@ from workers.sampler import Sampler
 
 class Worker:
     def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler,
-                 make_sampler: Callable[[], Sampler] | None = None) -> None:
+                 make_sampler: Callable[[], Sampler] | None = None, launch_ahead: bool = False) -> None:
+        """``launch_ahead``: start each next forward before its plan arrives (the pipelined step)."""
         self.worker_id = worker_id
         self.runner = runner
         self.sampler = sampler
         self.make_sampler = make_sampler
         self.mirror = BatchMirror()
+        self.launch_ahead = launch_ahead
+        self.forwards = Forwards(runner)
 
     def reset(self) -> None:
         """Forget the batch (after another worker failed, everything is re-added)."""
         if self.make_sampler is None:
             raise RuntimeError("this worker cannot rebuild its sampler")
+        self.forwards.discard()
         self.sampler = self.make_sampler()
         self.mirror = BatchMirror()
+
+    def shutdown(self) -> None:
+        self.forwards.shutdown()
 
     @classmethod
     def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
@@ -74,12 +84,21 @@ class Worker:
                 sampler.check_spec_decode_support()
             return sampler
 
-        return cls(worker_id, runner, make_sampler(), make_sampler)
+        # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
+        # decoding every step waits for its plan (the synchronous step), as the docs say.
+        ahead = config.scheduler.async_scheduling and config.speculative is None
+        return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=ahead)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
+        try:
+            return self._step(plan)
+        except BaseException:
+            self.forwards.discard()
+            raise
+
+    def _step(self, plan: StepPlan) -> StepResult:
         start_time, start_cpu = time.perf_counter(), time.thread_time()
-        simulated_before = getattr(self.runner, "simulated_s", 0.0)
         self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
         self.sampler.update_state(batch_update)
@@ -97,16 +116,25 @@ class Worker:
         if plan.draft_counts is not None:
             flat, offsets = plan.draft_tokens.tolist(), plan.draft_offsets.tolist()
             drafts = [flat[offsets[r] : offsets[r + 1]] for r in range(plan.batch_size)]
-        work = []
+        work, row_ids, samples = [], [], []
         for index, start, count in zip(range(lo, hi), plan.start[lo:hi].tolist(), plan.num_tokens[lo:hi].tolist()):
             row = self.mirror.row(index)
             row_drafts = drafts[index] if drafts is not None else []
+            length = len(row.prompt_token_ids) + len(row.output_token_ids)
             work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
                                 num_logits=len(row_drafts) + 1,
                                 decode=count == 1 and start >= len(row.prompt_token_ids)))
+            row_ids.append(row.request_id)
+            samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), plan_s=plan_s)
+        overlap_cpu = time.thread_time() - start_cpu
         if work:
-            logits = self.runner.forward(work)
+            got = self.forwards.forward(row_ids, work)
+            logits = got.logits
+            result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
+            result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
+            if got.ahead_s:
+                result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
             sample_start = time.perf_counter()
             if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
@@ -121,13 +149,23 @@ class Worker:
                 result.errors = verified.errors
             passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
             result.sample_pass_s = (time.perf_counter() - sample_start) / passes
+            if self.launch_ahead and drafts is None:
+                sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), samples)]
+                errors = {row - lo for row in result.errors}
+                self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
+                                                       self.runner.max_model_len))
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
         result.compute_s = time.perf_counter() - start_time
         result.cpu_s = time.thread_time() - start_cpu
-        result.simulated_s = getattr(self.runner, "simulated_s", 0.0) - simulated_before
+        if not self.runner_is_simulated:
+            result.simulated_s = result.ahead_s = 0.0  # real compute: wall times, not a model
         return result
+
+    @property
+    def runner_is_simulated(self) -> bool:
+        return hasattr(self.runner, "simulated_s")
 
 
 def simulated_runner(config: Any, model_path: str, device: torch.device | str) -> Any:

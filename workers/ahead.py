@@ -1,0 +1,158 @@
+"""The worker's half of the pipelined step: start step N+1's forward before its plan arrives.
+
+Right after sampling step N a worker knows what most of its rows feed next: a decoding row
+feeds the token it just sampled at the next position, into a block it already holds. It
+launches that forward at once, on a thread of its own (a GPU's stream, or the CPU cores the
+step loop leaves idle), and returns step N's tokens. While it runs, the coordinator accepts
+step N and plans N+1, and the worker applies plan N+1 to its replicas; then the plan's rows
+are matched against the guess, row by row (same request, position, token and blocks). Rows
+that match take the logits already computed; the others (admitted, preempted, prefill
+chunks, drafts) run in a second forward. A finished row's extra forward is simply not used:
+it is never sampled, so processors see exactly the BatchUpdates and tokens of the
+synchronous step.
+
+A forward never overlaps another on the same KV cache: the in-step forward runs on the
+calling thread once the one launched ahead (even a discarded one) has ended.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.row_work import RowWork
+
+
+@dataclass
+class ForwardDone:
+    logits: torch.Tensor
+    seconds: float  # wall time of the forward on its thread
+    modelled_s: float  # a simulated runner's modelled compute (0 for a real model)
+
+
+@dataclass
+class Guess:
+    """The forward launched ahead: each guessed row's request id and work, in logits order."""
+
+    request_ids: list[str]
+    work: list[RowWork]
+    future: Future
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {rid: i for i, rid in enumerate(self.request_ids)}
+
+
+@dataclass
+class Logits:
+    """A step's logits (one row per sampled position, rows in the plan's order) and where they came from."""
+
+    logits: torch.Tensor
+    ahead_rows: int = 0  # rows whose logits the forward launched ahead computed
+    wasted_rows: int = 0  # rows guessed but not in the plan as guessed (finished, preempted, moved away)
+    ahead_s: float = 0.0  # the launched-ahead forward's time (modelled when simulated)
+    inline_s: float = 0.0  # the in-step forward's time (modelled when simulated)
+
+
+class Forwards:
+    """Runs a worker's forwards on one thread; holds at most one launched ahead."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-forward")
+        self._guess: Guess | None = None
+        self._launched: Future | None = None  # the last forward started on the thread
+        device = torch.device(getattr(runner, "device", "cpu"))
+        self._device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+    def _run(self, work: list[RowWork]) -> ForwardDone:
+        modelled = getattr(self.runner, "simulated_s", 0.0)
+        start = time.perf_counter()
+        with torch.inference_mode(), self._device:
+            logits = self.runner.forward(work)
+        return ForwardDone(logits, time.perf_counter() - start, getattr(self.runner, "simulated_s", 0.0) - modelled)
+
+    def launch_ahead(self, request_ids: list[str], work: list[RowWork]) -> None:
+        """Start the guessed next forward; returns at once."""
+        self._guess = None
+        if work:
+            self._launched = self._thread.submit(self._run, work)
+            self._guess = Guess(request_ids, work, self._launched)
+
+    def discard(self) -> None:
+        """Forget the guess (a failed step, a reset); its forward still ends before the next one starts."""
+        self._guess = None
+
+    def _inline(self, work: list[RowWork]) -> ForwardDone:
+        if self._launched is not None:
+            try:
+                self._launched.result()
+            except Exception:  # a discarded guess's failure is nobody's
+                pass
+            self._launched = None
+        return self._run(work)
+
+    def forward(self, request_ids: list[str], work: list[RowWork]) -> Logits:
+        """Logits for ``work`` (rows in order), from the guess where it matches."""
+        guess, self._guess = self._guess, None
+        if guess is None:
+            done = self._inline(work)
+            return Logits(done.logits, inline_s=done.modelled_s or done.seconds)
+        ahead = guess.future.result()
+        self._launched = None
+        taken = [guess.index.get(rid) for rid in request_ids]
+        for i, (at, row) in enumerate(zip(taken, work)):
+            if at is not None and not _same_work(guess.work[at], row):
+                taken[i] = None
+        used = sum(at is not None for at in taken)
+        result = Logits(ahead.logits, ahead_rows=used, wasted_rows=len(guess.work) - used,
+                        ahead_s=ahead.modelled_s or ahead.seconds)
+        if used == len(work) == len(guess.work) and taken == list(range(used)):
+            return result  # the plan is the guess, rows in the same order (one logit each)
+        rest = [row for at, row in zip(taken, work) if at is None]
+        inline = self._inline(rest) if rest else None
+        parts, next_inline = [], 0
+        for at, row in zip(taken, work):
+            if at is not None:
+                parts.append(ahead.logits[at : at + 1])
+            else:
+                parts.append(inline.logits[next_inline : next_inline + row.num_logits])
+                next_inline += row.num_logits
+        result.logits = torch.cat(parts) if parts else ahead.logits[:0]
+        if inline is not None:
+            result.inline_s = inline.modelled_s or inline.seconds
+        return result
+
+    def shutdown(self) -> None:
+        self._guess = None
+        self._thread.shutdown(wait=False)
+
+
+def _same_work(guessed: RowWork, planned: RowWork) -> bool:
+    """The planned row feeds what was guessed, where it was guessed, through the same blocks."""
+    return (planned.start_pos == guessed.start_pos and planned.num_logits == 1 and planned.decode
+            and planned.token_ids == guessed.token_ids
+            and planned.block_table[: len(guessed.block_table)] == guessed.block_table)
+
+
+def guess_next(row_ids: list[str], work: list[RowWork], sampled: list[int], errors: set[int], block_size: int,
+               max_model_len: int) -> tuple[list[str], list[RowWork]]:
+    """Each row that sampled a real token this step feeds it next, one position on, if it holds the block.
+
+    ``work``: this step's rows (shard order); ``sampled``: each row's sampled token, or -1 where the
+    sample was no token (a prefill chunk); ``errors``: shard rows that could not be sampled."""
+    ids, guessed = [], []
+    for i, (rid, row, token) in enumerate(zip(row_ids, work, sampled)):
+        if token < 0 or i in errors or row.num_logits != 1:
+            continue
+        position = row.start_pos + len(row.token_ids)
+        if position >= max_model_len or position >= len(row.block_table) * block_size:
+            continue
+        ids.append(rid)
+        guessed.append(RowWork(list(row.block_table), [token], position, num_logits=1, decode=True))
+    return ids, guessed
