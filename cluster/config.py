@@ -167,9 +167,11 @@ class SchedulerSection(_Section):
     consistency_check_every: int = Field(default=0, ge=0)
     # The pipelined step (vLLM's name): each worker starts its next forward as soon as it has
     # sampled, before the next plan arrives, so planning and applying the plan overlap the
-    # compute. False: every step waits for its plan (for comparison and debugging). Outputs are
-    # the same either way.
-    async_scheduling: bool = True
+    # compute. False: every step waits for its plan (for comparison and debugging). None (the
+    # default): on where the forward runs off the host (GPU workers, simulated ones), off on CPU
+    # workers, whose forward would take the very cores the host work needs (bench/RESULTS.md).
+    # Outputs are the same either way.
+    async_scheduling: bool | None = None
 
     def slots_per_worker(self) -> int:
         return self.max_num_seqs_per_worker or self.max_num_seqs

@@ -27,7 +27,7 @@ def sync(extra: dict) -> dict:
 
 @pytest.mark.parametrize("name", ["w2-tight", "w2-features"])
 def test_the_synchronous_switch_reproduces_the_goldens(name):
-    """The goldens run pipelined (the default) in test_golden_engine; here synchronously, as recorded."""
+    """The goldens run pipelined in test_golden_engine; here synchronously, as they were recorded."""
     _, workers, extra = next(s for s in SETUPS if s[0] == name)
     got = run_setup(workers, sync(extra))
     assert got["ahead_rows"] == 0

@@ -86,7 +86,10 @@ class Worker:
 
         # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
         # decoding every step waits for its plan (the synchronous step), as the docs say.
-        ahead = config.scheduler.async_scheduling and config.speculative is None
+        ahead = config.scheduler.async_scheduling
+        if ahead is None:
+            ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
+        ahead = ahead and config.speculative is None
         return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=ahead)
 
     @torch.inference_mode()
