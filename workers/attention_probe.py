@@ -231,6 +231,16 @@ def _float32_copy_fits(runner: ProbedRunner) -> bool:
     return needed <= 0.8 * free
 
 
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy; a weight prepacked for oneDNN (``workers.cpu_linear``, bfloat16 where the CPU has
+    native bf16) is opaque: unpack it, widen it and pack it again for the float32 kernels."""
+    if tensor.is_mkldnn:
+        from workers.cpu_linear import _BATCH_HINT
+
+        return torch.ops.mkldnn._reorder_linear_weight(tensor.to_dense().float(), _BATCH_HINT)
+    return tensor.detach().float()
+
+
 @contextmanager
 def _in_float32(runner: ProbedRunner) -> Iterator[None]:
     """The runner on a float32 copy of its weights; the original tensors (not a cast back) are restored."""
@@ -239,7 +249,7 @@ def _in_float32(runner: ProbedRunner) -> Iterator[None]:
     saved_dtype = runner.dtype
     with torch.no_grad():
         for store, name, tensor in entries:
-            wide = copies.setdefault(id(tensor), tensor.detach().float())
+            wide = copies.setdefault(id(tensor), _widened(tensor))
             store[name] = torch.nn.Parameter(wide, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else wide
         runner.dtype = torch.float32
     try:
