@@ -51,16 +51,22 @@ class InputLimits:
         return cls(max_model_len, max_prompt_chars(tokenizer, max_model_len))
 
 
+def json_object(line: str, error: type[Exception]) -> dict[str, Any]:
+    """An input line as a JSON object, or ``error`` saying why it is not one (both input formats)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise error(f"not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise error("each line must be a JSON object")
+    return record
+
+
 def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limits: InputLimits | None = None
                ) -> tuple[Any, str | list[int], SamplingParams]:
     """One input line; ``tokenizer``: a callable giving it (chat lines only); ``limits``: refuse what
     cannot fit before rendering or tokenizing anything."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BadLine(f"not valid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise BadLine("each line must be a JSON object")
+    record = json_object(line, BadLine)
     if "id" not in record:
         raise BadLine("missing 'id'")
     rid = record["id"]

@@ -11,12 +11,12 @@ logprobs with token strings). A line that cannot run gets ``status_code``
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.chat import RENDER_LIMIT_S, render_chat, request_template_kwargs
+from cluster.job_lines import json_object
 from coordinator.request import CompletionOutput, Logprob, RequestOutput, top_of
 from processors import SamplingParams
 
@@ -58,12 +58,7 @@ class BatchRequest:
 
 def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any], max_chars: int | None = None) -> BatchRequest:
     """One OpenAI batch line; ``max_chars``: the longest chat text that can fit (``coordinator.prompt_limits``)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BatchLineError(f"not valid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise BatchLineError("each line must be a JSON object")
+    record = json_object(line, BatchLineError)
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise BatchLineError("missing or non-string 'custom_id'")

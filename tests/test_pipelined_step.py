@@ -116,3 +116,10 @@ def test_a_failed_launched_forward_fails_the_step_that_uses_it():
     with pytest.raises(RuntimeError, match="device lost"):
         forwards.forward(["a"], [RowWork([0], [1], 0, decode=True)])
     forwards.shutdown()
+
+
+def test_vllm_users_switch_it_by_its_vllm_name():
+    from cluster.llm_args import config_from_llm_args
+
+    assert config_from_llm_args({"tiny": "loopy"}, async_scheduling=False).scheduler.async_scheduling is False
+    assert config_from_llm_args({"tiny": "loopy"}).scheduler.async_scheduling is None  # by device: on for GPUs

@@ -17,7 +17,6 @@ calling thread once the one launched ahead (even a discarded one) has ended.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ from workers.row_work import RowWork
 @dataclass
 class ForwardDone:
     logits: torch.Tensor
-    seconds: float  # wall time of the forward on its thread
     modelled_s: float  # a simulated runner's modelled compute (0 for a real model)
 
 
@@ -55,8 +53,8 @@ class Logits:
     logits: torch.Tensor
     ahead_rows: int = 0  # rows whose logits the forward launched ahead computed
     wasted_rows: int = 0  # rows guessed but not in the plan as guessed (finished, preempted, moved away)
-    ahead_s: float = 0.0  # the launched-ahead forward's time (modelled when simulated)
-    inline_s: float = 0.0  # the in-step forward's time (modelled when simulated)
+    ahead_s: float = 0.0  # a simulated runner's modelled compute of the forward launched ahead
+    inline_s: float = 0.0  # and of the in-step forward
 
 
 class Forwards:
@@ -72,10 +70,9 @@ class Forwards:
 
     def _run(self, work: list[RowWork]) -> ForwardDone:
         modelled = getattr(self.runner, "simulated_s", 0.0)
-        start = time.perf_counter()
         with torch.inference_mode(), self._device:
             logits = self.runner.forward(work)
-        return ForwardDone(logits, time.perf_counter() - start, getattr(self.runner, "simulated_s", 0.0) - modelled)
+        return ForwardDone(logits, getattr(self.runner, "simulated_s", 0.0) - modelled)
 
     def launch_ahead(self, request_ids: list[str], work: list[RowWork]) -> None:
         """Start the guessed next forward; returns at once."""
@@ -102,7 +99,7 @@ class Forwards:
         guess, self._guess = self._guess, None
         if guess is None:
             done = self._inline(work)
-            return Logits(done.logits, inline_s=done.modelled_s or done.seconds)
+            return Logits(done.logits, inline_s=done.modelled_s)
         ahead = guess.future.result()
         self._launched = None
         taken = [guess.index.get(rid) for rid in request_ids]
@@ -111,7 +108,7 @@ class Forwards:
                 taken[i] = None
         used = sum(at is not None for at in taken)
         result = Logits(ahead.logits, ahead_rows=used, wasted_rows=len(guess.work) - used,
-                        ahead_s=ahead.modelled_s or ahead.seconds)
+                        ahead_s=ahead.modelled_s)
         if used == len(work) == len(guess.work) and taken == list(range(used)):
             return result  # the plan is the guess, rows in the same order (one logit each)
         rest = [row for at, row in zip(taken, work) if at is None]
@@ -125,7 +122,7 @@ class Forwards:
                 next_inline += row.num_logits
         result.logits = torch.cat(parts) if parts else ahead.logits[:0]
         if inline is not None:
-            result.inline_s = inline.modelled_s or inline.seconds
+            result.inline_s = inline.modelled_s
         return result
 
     def shutdown(self) -> None:

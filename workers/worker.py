@@ -136,7 +136,7 @@ class Worker:
             logits = got.logits
             result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
             result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
-            if got.ahead_s:
+            if got.ahead_rows or got.wasted_rows:
                 result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
             sample_start = time.perf_counter()
             if drafts is None:
@@ -162,13 +162,7 @@ class Worker:
             result.processor_digests = self.sampler.state_digests()
         result.compute_s = time.perf_counter() - start_time
         result.cpu_s = time.thread_time() - start_cpu
-        if not self.runner_is_simulated:
-            result.simulated_s = result.ahead_s = 0.0  # real compute: wall times, not a model
         return result
-
-    @property
-    def runner_is_simulated(self) -> bool:
-        return hasattr(self.runner, "simulated_s")
 
 
 def simulated_runner(config: Any, model_path: str, device: torch.device | str) -> Any:
