@@ -60,13 +60,6 @@ def test_greedy_agrees_with_transformers_bfloat16_under_teacher_forcing(engine):
     assert "Paris" in outs[0].text
 
 
-NATIVE_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") else False
-
-
-@pytest.mark.xfail(NATIVE_BF16, strict=False,
-                   reason="open (issue 35): on CPUs with native bfloat16 (avx512_bf16) oneDNN's bf16 matmuls round "
-                          "differently with the batch's row count, prepacked or not, so a seeded bf16 request's "
-                          "tokens depend on its batch there; found 2026-11-25 on an AMD EPYC with avx512_bf16")
 def test_seeded_output_is_the_same_alone_and_in_a_batch(engine):
     prompt = chat(engine, "Tell me a short story about a robot.")
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)

@@ -18,6 +18,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _BATCH_HINT = 64  # oneDNN picks its blocking for about this many rows
+MIN_ROWS = 2
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,9 +46,14 @@ class PrepackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
+        rows = flat.shape[0]
+        if rows < MIN_ROWS:  # oneDNN takes another kernel for one row: pad, so a row's result never depends on M
+            flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, self.in_features)])
+        elif not flat.is_contiguous():
             flat = flat.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        if rows < MIN_ROWS:
+            out = out[:rows]
         return out.view(*x.shape[:-1], self.out_features)
 
 
