@@ -123,3 +123,24 @@ def test_vllm_users_switch_it_by_its_vllm_name():
 
     assert config_from_llm_args({"tiny": "loopy"}, async_scheduling=False).scheduler.async_scheduling is False
     assert config_from_llm_args({"tiny": "loopy"}).scheduler.async_scheduling is None  # by device: on for GPUs
+
+
+def test_a_row_entering_a_new_block_is_guessed_into_a_spare_one_and_moved_where_the_plan_says():
+    runner = BlockingRunner()
+    runner.spare_blocks = [16]
+    moved = []
+    runner.copy_blocks = lambda sources, targets: moved.append((sources, targets))
+    runner.gate.set()
+    forwards = Forwards(runner)
+    step = [RowWork([2, 3], [5], 7, decode=True), RowWork([4, 5], [6], 7, decode=True)]
+    ids, guessed = guess_next(["c", "e"], step, sampled=[9, 10], errors=set(), block_size=4, max_model_len=64,
+                              spare_blocks=runner.spare_blocks)
+    assert ids == ["c"] and guessed[0].block_table == [2, 3, 16]  # one spare: "e" waits for its plan
+    forwards.launch_ahead(ids, guessed)
+    got = forwards.forward(["c", "e"], [RowWork([2, 3, 11], [9], 8, decode=True), RowWork([4, 5, 12], [10], 8,
+                                                                                          decode=True)])
+    assert (got.ahead_rows, got.wasted_rows) == (1, 0) and moved == [([16], [11])]
+    forwards.launch_ahead(*guess_next(["c"], [RowWork([2, 3, 11], [9], 8, decode=True)], [1], set(), 4, 64, [16]))
+    got = forwards.forward(["c"], [RowWork([2, 3, 7], [1], 9, decode=True)])  # another block than guessed: recomputed
+    assert (got.ahead_rows, got.wasted_rows) == (0, 1) and len(moved) == 1
+    forwards.shutdown()

@@ -3,7 +3,9 @@
 Right after sampling step N a worker knows what most of its rows feed next: a decoding row
 feeds the token it just sampled at the next position, into a block it already holds. It
 launches that forward at once, on a thread of its own (a GPU's stream, or the CPU cores the
-step loop leaves idle), and returns step N's tokens. While it runs, the coordinator accepts
+step loop leaves idle), and returns step N's tokens. A row whose next token opens a new KV
+block writes it into a spare block (beyond the budget, the runner's ``spare_blocks``), copied
+into the block the plan names once it arrives. While it runs, the coordinator accepts
 step N and plans N+1, and the worker applies plan N+1 to its replicas; then the plan's rows
 are matched against the guess, row by row (same request, position, token and blocks). Rows
 that match take the logits already computed; the others (admitted, preempted, prefill
@@ -65,6 +67,7 @@ class Forwards:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-forward")
         self._guess: Guess | None = None
         self._launched: Future | None = None  # the last forward started on the thread
+        self._spares = set(getattr(runner, "spare_blocks", ()))
         device = torch.device(getattr(runner, "device", "cpu"))
         self._device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
@@ -103,9 +106,18 @@ class Forwards:
         ahead = guess.future.result()
         self._launched = None
         taken = [guess.index.get(rid) for rid in request_ids]
+        spares, targets = [], []
         for i, (at, row) in enumerate(zip(taken, work)):
-            if at is not None and not _same_work(guess.work[at], row):
+            if at is None:
+                continue
+            guessed = guess.work[at]
+            if not _same_work(guessed, row, self.spare_of(guessed)):
                 taken[i] = None
+            elif self.spare_of(guessed) is not None:
+                spares.append(guessed.block_table[-1])
+                targets.append(row.block_table[len(guessed.block_table) - 1])
+        if spares:  # the plan named their blocks: move the tokens written into spares there
+            self.runner.copy_blocks(spares, targets)
         used = sum(at is not None for at in taken)
         result = Logits(ahead.logits, ahead_rows=used, wasted_rows=len(guess.work) - used,
                         ahead_s=ahead.modelled_s)
@@ -125,31 +137,47 @@ class Forwards:
             result.inline_s = inline.modelled_s
         return result
 
+    def spare_of(self, guessed: RowWork) -> int | None:
+        """The spare block a guessed row's token went into, if it entered one."""
+        last = guessed.block_table[-1] if guessed.block_table else None
+        return last if last in self._spares else None
+
     def shutdown(self) -> None:
         self._guess = None
         self._thread.shutdown(wait=False)
 
 
-def _same_work(guessed: RowWork, planned: RowWork) -> bool:
-    """The planned row feeds what was guessed, where it was guessed, through the same blocks."""
-    return (planned.start_pos == guessed.start_pos and planned.num_logits == 1 and planned.decode
-            and planned.token_ids == guessed.token_ids
-            and planned.block_table[: len(guessed.block_table)] == guessed.block_table)
+def _same_work(guessed: RowWork, planned: RowWork, spare: int | None) -> bool:
+    """The planned row feeds what was guessed, where it was guessed, through the same blocks (a
+    spare one standing for the block the plan gives it)."""
+    if not (planned.start_pos == guessed.start_pos and planned.num_logits == 1 and planned.decode
+            and planned.token_ids == guessed.token_ids and len(planned.block_table) >= len(guessed.block_table)):
+        return False
+    held = len(guessed.block_table) - (spare is not None)
+    return planned.block_table[:held] == guessed.block_table[:held]
 
 
 def guess_next(row_ids: list[str], work: list[RowWork], sampled: list[int], errors: set[int], block_size: int,
-               max_model_len: int) -> tuple[list[str], list[RowWork]]:
-    """Each row that sampled a real token this step feeds it next, one position on, if it holds the block.
+               max_model_len: int, spare_blocks: list[int] = ()) -> tuple[list[str], list[RowWork]]:
+    """Each row that sampled a real token this step feeds it next, one position on: in a block it
+    holds, or, for the first rows that need a new one, in a spare block.
 
     ``work``: this step's rows (shard order); ``sampled``: each row's sampled token, or -1 where the
     sample was no token (a prefill chunk); ``errors``: shard rows that could not be sampled."""
     ids, guessed = [], []
+    spares = iter(spare_blocks)
     for i, (rid, row, token) in enumerate(zip(row_ids, work, sampled)):
         if token < 0 or i in errors or row.num_logits != 1:
             continue
         position = row.start_pos + len(row.token_ids)
-        if position >= max_model_len or position >= len(row.block_table) * block_size:
+        if position >= max_model_len:
             continue
+        table = list(row.block_table)
+        if position >= len(table) * block_size:
+            spare = next(spares, None)
+            if spare is None or position != len(table) * block_size:
+                continue
+            table.append(spare)
         ids.append(rid)
-        guessed.append(RowWork(list(row.block_table), [token], position, num_logits=1, decode=True))
+        guessed.append(RowWork(table, [token], position, num_logits=1, decode=True))
     return ids, guessed

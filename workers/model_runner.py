@@ -79,7 +79,11 @@ class ModelRunner:
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  prepack_cpu_weights: bool = True, block_size: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_rows: int = 64, verify: bool = True, decode_attention: str = "auto") -> None:
+                 max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
+                 spare_blocks: int = 0) -> None:
+        """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
+        ahead writes the token of a row entering a block the coordinator has not yet given it
+        (``workers.ahead``); ``copy_blocks`` moves it there once the plan names the block."""
         from transformers import AutoModelForCausalLM
 
         register_paged_attention()
@@ -116,8 +120,9 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         if verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
             verify_once(self, model_path, trust_remote_code)
-        self.cache = PagedKVCache(self.num_layers, self.num_blocks, block_size, self.kv_heads, self.head_dim,
-                                  self.dtype, self.device)
+        self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks, block_size, self.kv_heads,
+                                  self.head_dim, self.dtype, self.device)
+        self.spare_blocks = list(range(self.num_blocks, self.num_blocks + spare_blocks))
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
                     block_size, self.num_blocks * per_block / 2**20, self.device,
                     "native CPU kernel" if self.native_decode else "torch")
@@ -125,6 +130,13 @@ class ModelRunner:
         # against prepacked ones), and the check compares attention.
         if prepack_cpu_weights and prepack_available(self.device, self.dtype):
             fuse_cpu_layers(self.model)
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Every layer's K/V of blocks ``sources`` into blocks ``targets``."""
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(targets, device=self.device)
+        for pool in (*self.cache.keys, *self.cache.values):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def _num_blocks(self, per_block: int, kv_cache_memory: int | None, utilization: float, every_row_full: int) -> int:
         if kv_cache_memory is not None:
@@ -196,7 +208,7 @@ class ModelRunner:
         bs = self.block_size
         tables = [rows[i].block_table[: (rows[i].start_pos + n - 1) // bs + 1] for i, _, n in members]
         return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
-                                  [offset for _, offset, _ in members], bs, self.num_blocks, self.device)
+                                  [offset for _, offset, _ in members], bs, self.cache.num_blocks, self.device)
 
     def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], num_tokens: int) -> NativeDecode:
         bs = self.block_size
@@ -213,8 +225,8 @@ class ModelRunner:
         native = NativeDecode(block_tables=torch.from_numpy(tables), token_index=torch.from_numpy(token_index),
                               query_pos=torch.from_numpy(np.where(valid, starts[:, None] + column, -1)),
                               tokens=torch.from_numpy(token_index[valid]))
-        native_attention.check_indices(native.block_tables, native.token_index, native.query_pos, self.num_blocks,
-                                       num_tokens, bs)
+        native_attention.check_indices(native.block_tables, native.token_index, native.query_pos,
+                                       self.cache.num_blocks, num_tokens, bs)
         return native
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:

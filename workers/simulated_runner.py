@@ -51,16 +51,21 @@ class SimulatedRunner:
     """Stands in for ``ModelRunner``: modelled time, placement-independent logits, no weights."""
 
     def __init__(self, compute: ComputeModel, vocab_size: int, max_model_len: int, num_blocks: int,
-                 block_size: int = 16, device: torch.device | str = "cpu", sleep: Any = time.sleep) -> None:
+                 block_size: int = 16, device: torch.device | str = "cpu", sleep: Any = time.sleep,
+                 spare_blocks: int = 0) -> None:
         self.compute = compute
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
+        self.spare_blocks = list(range(num_blocks, num_blocks + spare_blocks))  # as ModelRunner's
         self.block_size = block_size
         self.device = torch.device(device)
         self.sleep = sleep
         self.simulated_s = 0.0  # modelled compute slept so far
         self._vocab = torch.arange(vocab_size, device=self.device)
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """No KV to move: the logits depend only on each row's last token and position."""
 
     def forward(self, rows: Sequence[Any]) -> torch.Tensor:
         """Logits for the last ``num_logits`` positions of each row, in row order."""

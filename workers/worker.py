@@ -25,6 +25,12 @@ from workers.rejection import verify_drafts
 from workers.sampler import Sampler
 
 
+# KV blocks beyond the budget for the pipelined step: a guessed row entering a new block writes its
+# token into one of these until the plan names its block (``workers.ahead``); rows past this many
+# in one step wait for the plan.
+SPARE_BLOCKS = 8
+
+
 class Worker:
     def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler,
                  make_sampler: Callable[[], Sampler] | None = None, launch_ahead: bool = False) -> None:
@@ -51,7 +57,14 @@ class Worker:
     @classmethod
     def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
         """Build from a ``RaysampleConfig`` (cluster.config)."""
-        runner = simulated_runner(config, model_path, device) if config.model.simulate is not None else ModelRunner(
+        # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
+        # decoding every step waits for its plan (the synchronous step), as the docs say.
+        ahead = config.scheduler.async_scheduling
+        if ahead is None:
+            ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
+        ahead = ahead and config.speculative is None
+        spare = SPARE_BLOCKS if ahead else 0
+        runner = simulated_runner(config, model_path, device, spare) if config.model.simulate is not None else ModelRunner(
             model_path,
             device,
             config.model.dtype,
@@ -63,6 +76,7 @@ class Worker:
             gpu_memory_utilization=config.cache.gpu_memory_utilization,
             max_rows=config.scheduler.slots_per_worker(),
             decode_attention=config.model.decode_attention,
+            spare_blocks=spare,
         )
         tokenizer = None
         if config.reasoning is not None:
@@ -84,12 +98,6 @@ class Worker:
                 sampler.check_spec_decode_support()
             return sampler
 
-        # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
-        # decoding every step waits for its plan (the synchronous step), as the docs say.
-        ahead = config.scheduler.async_scheduling
-        if ahead is None:
-            ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
-        ahead = ahead and config.speculative is None
         return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=ahead)
 
     @torch.inference_mode()
@@ -156,7 +164,7 @@ class Worker:
                 sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), samples)]
                 errors = {row - lo for row in result.errors}
                 self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
-                                                       self.runner.max_model_len))
+                                                       self.runner.max_model_len, self.runner.spare_blocks))
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
@@ -165,7 +173,7 @@ class Worker:
         return result
 
 
-def simulated_runner(config: Any, model_path: str, device: torch.device | str) -> Any:
+def simulated_runner(config: Any, model_path: str, device: torch.device | str, spare_blocks: int = 0) -> Any:
     """The config's ``model.simulate`` runner: the source model's vocabulary and length, no weights."""
     from transformers import AutoConfig
 
@@ -178,4 +186,4 @@ def simulated_runner(config: Any, model_path: str, device: torch.device | str) -
     simulate = config.model.simulate
     blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)
     return SimulatedRunner(simulate.compute_model(), model_config.vocab_size, max_model_len, blocks, block_size,
-                           device)
+                           device, spare_blocks=spare_blocks)
