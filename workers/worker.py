@@ -25,10 +25,10 @@ from workers.rejection import verify_drafts
 from workers.sampler import Sampler
 
 
-# KV blocks beyond the budget for the pipelined step: a guessed row entering a new block writes its
-# token into one of these until the plan names its block (``workers.ahead``); rows past this many
-# in one step wait for the plan.
-SPARE_BLOCKS = 8
+# KV blocks beyond the budget for the pipelined step, one per row the worker holds up to this many:
+# a guessed row entering a new block writes its token into one until the plan names its block
+# (``workers.ahead``); rows past this many in one step wait for the plan.
+MAX_SPARE_BLOCKS = 64
 
 
 class Worker:
@@ -63,7 +63,7 @@ class Worker:
         if ahead is None:
             ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
         ahead = ahead and config.speculative is None
-        spare = SPARE_BLOCKS if ahead else 0
+        spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if ahead else 0
         runner = simulated_runner(config, model_path, device, spare) if config.model.simulate is not None else ModelRunner(
             model_path,
             device,
