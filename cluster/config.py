@@ -297,6 +297,14 @@ class RaysampleConfig(_Section):
     reasoning: ReasoningSection | None = None
     defaults: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _pipelined_step_without_drafts(self) -> RaysampleConfig:
+        if self.scheduler.async_scheduling and self.speculative is not None:
+            raise ValueError("scheduler.async_scheduling: true cannot be used with speculative decoding: drafts come "
+                             "in each step's plan, so a worker cannot start the step before it arrives; leave "
+                             "async_scheduling unset (synchronous with speculative decoding) or set it to false")
+        return self
+
     @field_validator("defaults")
     @classmethod
     def _defaults_are_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:

@@ -54,10 +54,11 @@ def engine_for(num_workers: int, extra: dict[str, Any]) -> LocalEngine:
     config = {
         "model": {"tiny": "loopy", "max_model_len": 160},
         "cluster": {"num_workers": num_workers},
-        # Pipelined explicitly (CPU workers default to the synchronous step): the goldens were recorded
-        # synchronously, so this holds the two equal; tests/test_pipelined_step.py runs the switch off.
+        # Pipelined explicitly (CPU workers default to the synchronous step; speculative decoding runs
+        # synchronously): the goldens were recorded synchronously, so this holds the two equal;
+        # tests/test_pipelined_step.py runs the switch off.
         "scheduler": {"max_num_seqs": 12, "max_num_batched_tokens": 96, "consistency_check_every": 1,
-                      "async_scheduling": True},
+                      "async_scheduling": None if "speculative" in extra else True},
         "cache": {"block_size": 4},
         **extra,
     }

@@ -144,3 +144,11 @@ def test_a_row_entering_a_new_block_is_guessed_into_a_spare_one_and_moved_where_
     got = forwards.forward(["c"], [RowWork([2, 3, 7], [1], 9, decode=True)])  # another block than guessed: recomputed
     assert (got.ahead_rows, got.wasted_rows) == (0, 1) and len(moved) == 1
     forwards.shutdown()
+
+
+def test_asking_for_the_pipelined_step_with_speculative_decoding_is_refused():
+    from cluster.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="async_scheduling: true cannot be used with speculative decoding"):
+        load_config({"model": {"tiny": "loopy"}, "scheduler": {"async_scheduling": True},
+                     "speculative": {"num_speculative_tokens": 2}})
