@@ -70,6 +70,10 @@ class ModelSection(_Section):
     # batched torch products over whole KV blocks (any device). "auto": native on CPU with
     # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # Ranks per worker (vLLM's tensor_parallel_size): each worker is a group of this many Ray actors,
+    # one per GPU (or CPU share), each holding its shard of the model and of the attention heads;
+    # the cluster.*_per_worker resources are per rank. Needs Ray (one process per rank).
+    tensor_parallel_size: int = Field(default=1, ge=1)
     # Benchmarks and capacity planning: no weights, a modelled step time (see SimulateSection).
     simulate: SimulateSection | None = None
 

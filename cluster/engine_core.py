@@ -180,6 +180,8 @@ class EngineCore:
                 **self.coordinator.kv_stats(),
                 "kv_cache": self.coordinator.kv_summary(),
                 "memory_per_worker": self.config.cluster.memory_per_worker,  # Ray memory each worker holds
+                # Per worker, per rank of its tensor-parallel group: [weight bytes, KV bytes] held.
+                "rank_memory": getattr(self.executor, "rank_memory", None),
                 "error": self.fatal,
             }
 

@@ -13,7 +13,10 @@ from cluster.engine_api import RequestAPI
 def build_engine(config: RaysampleConfig | dict[str, Any] | str | Path, local: bool = False) -> RequestAPI:
     """``local``: coordinator and workers in this process (``LocalEngine``), stepped by its
     callers; else an ``Engine`` on Ray (started, or joined per ``cluster.address``)."""
+    from cluster.preflight import check_tensor_parallel
+
     config = load_config(config)
+    check_tensor_parallel(config, local)
     if local:
         from cluster.local_engine import LocalEngine
 

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verbose", action="store_true", help="full tracebacks")
     gen.add_argument("--job-name", default=None,
                      help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
+    gen.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
+                     help="ranks per worker, as vLLM's flag (overrides model.tensor_parallel_size)")
     batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
     batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
     batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                          ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"}),
                          ("--job-name", {"default": None})):
         batch.add_argument(flag, **kwargs)
+    batch.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None)
     return parser
 
 
@@ -94,6 +97,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.job_name:
             config = config.model_copy(update={"cluster": config.cluster.model_copy(
                 update={"coordinator_name": args.job_name})})
+        if args.tensor_parallel_size is not None:
+            config = config.model_copy(update={"model": config.model.model_copy(
+                update={"tensor_parallel_size": args.tensor_parallel_size})})
         check_job_paths(args.input, args.output, args.config)
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)

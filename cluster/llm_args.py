@@ -28,8 +28,6 @@ SECTIONS = ("model", "cluster", "scheduler", "cache", "structured_outputs", "spe
 
 # vLLM arguments with no raysample counterpart: accepted only at the value that means "off".
 REFUSED: dict[str, tuple[Any, str]] = {
-    "tensor_parallel_size": (1, "tensor parallelism is not supported: raysample runs the whole model on each "
-                                "worker and shards the batch across workers (num_workers)"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not supported (see num_workers)"),
     "quantization": (None, "quantized execution is not supported; a GGUF file is dequantized to model.dtype"),
     "enable_lora": (False, "LoRA adapters are not supported"),

@@ -52,6 +52,10 @@ class LocalEngine(RequestAPI):
             from cluster.preflight import local_engines_message
 
             raise ValueError(local_engines_message(config))
+        if config.model.tensor_parallel_size > 1:
+            from cluster.preflight import check_tensor_parallel
+
+            check_tensor_parallel(config, local=True)
         model_path = self.model_path = config.model.resolve_path()
         self.config, kv_note = plan_in_process(config, model_path)  # before any worker allocates
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

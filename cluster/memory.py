@@ -54,6 +54,11 @@ class ModelMemory:
         fast = None if trust_remote_code else _from_files(Path(model_path), dtype, max_model_len)
         return fast if fast is not None else cls.built_on_meta(model_path, dtype, max_model_len, trust_remote_code)
 
+    def per_rank(self, size: int) -> ModelMemory:
+        """One rank's share in a tensor-parallel group of ``size``: the linears, embeddings and KV heads
+        split evenly (the norms, kept whole on every rank, are a rounding error next to them)."""
+        return ModelMemory(-(-self.weights // size), self.kv_per_token // size, self.max_model_len)
+
     @classmethod
     def built_on_meta(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
                       ) -> ModelMemory:
@@ -160,8 +165,10 @@ def plan_on_ray(config: Any, model_path: str) -> tuple[Any, str | None]:
     from ray._private.state import available_resources_per_node
 
     cluster = config.cluster
-    total = cluster.num_engines * cluster.num_workers
-    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len, config.model.trust_remote_code)
+    size = config.model.tensor_parallel_size
+    total = cluster.num_engines * cluster.num_workers * size  # processes: one per rank
+    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len,
+                           config.model.trust_remote_code).per_rank(size)
     best: MemoryPlan | None = None
     refused: MemoryPlanError | None = None
     for resources in available_resources_per_node().values():
@@ -188,6 +195,7 @@ def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_o
     """The KV budget of each CPU worker when ``workers_on_node`` of them share ``node_memory`` bytes."""
     rows = config.scheduler.slots_per_worker()
     one_request = model.max_model_len * model.kv_per_token
+    _refuse_too_large(config, model, one_request, node_memory, where)
     every_row = rows * one_request
     weights = workers_on_node * model.weights
     cache = config.cache
@@ -220,6 +228,49 @@ def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_o
             f"({_gib(one_request)} at {model.kv_per_token} bytes a token): lower model.max_model_len, or raise "
             "cache.kv_cache_memory (or give the node more memory)")
     return MemoryPlan(kv, model.weights + kv + RUNTIME_BYTES, f"{_gib(kv)} per worker, {note}")
+
+
+def _refuse_too_large(config: Any, model: ModelMemory, one_request: int, node_memory: int, where: str) -> None:
+    """A rank whose weights and runtime do not fit a node alone: name the tensor-parallel size
+    whose ranks would, each on a node of its own, with one request's KV cache besides."""
+    if model.weights + RUNTIME_BYTES <= node_memory:
+        return
+    size = config.model.tensor_parallel_size
+    room = node_memory - RUNTIME_BYTES
+    needed = -(-(model.weights + one_request) * size // room) if room > 0 else None
+    rank = f"one rank of {size}" if size > 1 else "one worker"
+    advice = (f"set model.tensor_parallel_size to at least {needed} (a size that divides the model's attention "
+              "heads), its ranks on separate nodes" if needed is not None else "use nodes with more memory")
+    raise MemoryPlanError(
+        f"the model does not fit: {rank} needs {_gib(model.weights)} of weights + {_gib(RUNTIME_BYTES)} runtime, "
+        f"with {_gib(node_memory)} available {where}; {advice}")
+
+
+def check_weights_fit_device(model: ModelMemory, size: int, device_bytes: int, utilization: float) -> None:
+    """A GPU rank whose share of the weights is more than ``cache.gpu_memory_utilization`` of its
+    device is refused before it loads any, naming the tensor-parallel size that would fit."""
+    budget = int(device_bytes * utilization)
+    share = model.per_rank(size).weights
+    if share <= budget:
+        return
+    needed = -(-model.weights // budget) if budget > 0 else None
+    rank = f"each of {size} ranks holds" if size > 1 else "one GPU holds"
+    raise MemoryPlanError(
+        f"the model does not fit: {rank} {_gib(share)} of weights, and "
+        f"cache.gpu_memory_utilization={utilization:g} of a {_gib(device_bytes)} GPU is {_gib(budget)}; set "
+        f"model.tensor_parallel_size to at least {needed} (a size that divides the model's attention heads)")
+
+
+def check_device_memory(config: Any, model_path: str, device: Any) -> None:
+    """``check_weights_fit_device`` on this actor's GPU (nothing to check on CPU: the plan did)."""
+    if getattr(device, "type", "cpu") != "cuda" or config.model.simulate is not None:
+        return
+    import torch
+
+    dtype = "bfloat16" if config.model.dtype == "auto" else config.model.dtype  # auto is bfloat16 on CUDA
+    model = ModelMemory.of(model_path, dtype, config.model.max_model_len, config.model.trust_remote_code)
+    _, total = torch.cuda.mem_get_info(device)
+    check_weights_fit_device(model, config.model.tensor_parallel_size, total, config.cache.gpu_memory_utilization)
 
 
 def _gib(value: float) -> str:

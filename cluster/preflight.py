@@ -19,6 +19,39 @@ def preflight(config: RaysampleConfig, local: bool) -> None:
     _check_gpus(config, local)
     if local and config.cluster.num_engines > 1:
         raise PreflightError(local_engines_message(config))
+    check_tensor_parallel(config, local)
+
+
+def check_tensor_parallel(config: RaysampleConfig, local: bool) -> None:
+    """A tensor-parallel size the model cannot be split into, or one the in-process engine cannot
+    run, is refused before any rank starts (vLLM refuses the same sizes)."""
+    size = config.model.tensor_parallel_size
+    if size == 1:
+        return
+    if local:
+        raise PreflightError(f"model.tensor_parallel_size={size} needs Ray (one process per rank): the in-process "
+                             "engine (--local, LocalEngine, LLM(local=True)) holds whole models; drop --local")
+    if config.model.simulate is not None:
+        raise PreflightError("model.tensor_parallel_size with model.simulate: the simulated step models one GPU "
+                             "per worker (bench/scale_out.py --tp models groups)")
+    from transformers import AutoConfig
+
+    from workers.tensor_parallel import check_divisible, valid_sizes
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.resolve_path(),
+                                                  trust_remote_code=config.model.trust_remote_code)
+    except Exception:
+        return  # not readable here: each rank checks again before loading
+    if not getattr(model_config, "base_model_tp_plan", None):
+        arch = (getattr(model_config, "architectures", None) or [model_config.model_type])[0]
+        raise PreflightError(f"model.tensor_parallel_size={size}: transformers has no tensor-parallel plan for {arch} "
+                             "(base_model_tp_plan in its config); set tensor_parallel_size to 1")
+    try:
+        check_divisible(model_config, size)
+    except ValueError as exc:
+        sizes = ", ".join(str(n) for n in valid_sizes(model_config, largest=16))
+        raise PreflightError(f"model.tensor_parallel_size: {exc} This model splits into {sizes}.") from None
 
 
 def local_engines_message(config: RaysampleConfig) -> str:
@@ -112,9 +145,11 @@ def _check_gpus(config: RaysampleConfig, local: bool) -> None:
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     engines = 1 if local else cluster.num_engines
-    wanted = cluster.gpus_per_worker * cluster.num_workers * engines
+    wanted = cluster.gpus_per_worker * cluster.num_workers * engines * config.model.tensor_parallel_size
     if visible < wanted:
         where = "this process (--local)" if local else "this host (address: local)"
         per = f" x {engines} engines" if engines > 1 else ""
+        if config.model.tensor_parallel_size > 1:
+            per += f" x {config.model.tensor_parallel_size} ranks (model.tensor_parallel_size)"
         raise PreflightError(f"cluster.gpus_per_worker={cluster.gpus_per_worker} x {cluster.num_workers} workers{per} needs "
                              f"{wanted:g} GPU(s); {where} sees {visible}")

@@ -34,7 +34,8 @@ def ensure_ray(config: RaysampleConfig) -> None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
         # Logical CPUs: one per worker plus the coordinator, even on a small machine.
-        needed = int(cluster.num_engines * cluster.num_workers * cluster.cpus_per_worker) + cluster.num_engines
+        needed = int(cluster.num_engines * cluster.num_workers * config.model.tensor_parallel_size
+                     * cluster.cpus_per_worker) + cluster.num_engines
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **kwargs)
     else:
         ray.init(address=cluster.address, **kwargs)
@@ -46,7 +47,8 @@ def worker_bundles(config: RaysampleConfig) -> list[dict[str, float]]:
         bundle["GPU"] = config.cluster.gpus_per_worker
     if config.cluster.memory_per_worker is not None:
         bundle["memory"] = float(config.cluster.memory_per_worker)
-    return [dict(bundle) for _ in range(config.cluster.num_workers)]
+    # One bundle per rank, a worker's ranks next to each other: worker i's rank r is bundle i * size + r.
+    return [dict(bundle) for _ in range(config.cluster.num_workers * config.model.tensor_parallel_size)]
 
 
 _SETTING = {"GPU": "cluster.gpus_per_worker", "CPU": "cluster.cpus_per_worker",
@@ -63,11 +65,14 @@ def check_cluster_resources(config: RaysampleConfig) -> None:
     have = ray.cluster_resources()
     cluster = config.cluster
     engines = f"{cluster.num_engines} engines x " if cluster.num_engines > 1 else ""
+    size = config.model.tensor_parallel_size
+    ranks = f" x {size} ranks" if size > 1 else ""
     for resource, each in worker_bundles(config)[0].items():
-        wanted = each * cluster.num_workers * cluster.num_engines
+        wanted = each * cluster.num_workers * cluster.num_engines * size
         if have.get(resource, 0.0) < wanted:
             raise RuntimeError(
-                f"{engines}{cluster.num_workers} workers x {_amount(resource, each)} need {_amount(resource, wanted)}; "
+                f"{engines}{cluster.num_workers} workers{ranks} x {_amount(resource, each)} need "
+                f"{_amount(resource, wanted)}; "
                 f"the Ray cluster has {_amount(resource, have.get(resource, 0.0))} in all "
                 f"({'cluster.num_engines, ' if engines else ''}cluster.num_workers, {_SETTING[resource]})")
     if cluster.memory_per_worker is not None:
@@ -89,8 +94,10 @@ def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int
         num_cpus=cluster.cpus_per_worker,
         num_gpus=cluster.gpus_per_worker,
         memory=cluster.memory_per_worker,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index),
-    ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path())
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement, placement_group_bundle_index=index * config.model.tensor_parallel_size),
+    ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path(), placement)
+
 
 
 def create_worker_placement(config: RaysampleConfig, timeout_s: float, wait: bool = True) -> PlacementGroup:
@@ -109,8 +116,9 @@ def wait_for_placement(group: PlacementGroup, config: RaysampleConfig, timeout_s
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
+        ranks = (f" x {config.model.tensor_parallel_size} ranks" if config.model.tensor_parallel_size > 1 else "")
         raise RuntimeError(
-            f"could not place {config.cluster.num_workers} workers with {worker_bundles(config)[0]} each "
+            f"could not place {config.cluster.num_workers} workers{ranks} with {worker_bundles(config)[0]} each "
             f"({config.cluster.placement_strategy}) within {timeout_s:.0f}s; cluster resources: "
             f"{ray.cluster_resources()}"
         ) from None

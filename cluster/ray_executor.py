@@ -43,6 +43,12 @@ class RayExecutor(Executor):
         infos = ray.get([w.info.remote() for w in self.workers.values()],
                         timeout=self.config.cluster.startup_timeout_s)
         logger.info("raysample workers ready: %s", ", ".join(f"{i.device} ({i.num_blocks} KV blocks)" for i in infos))
+        # Per rank of each worker's tensor-parallel group: (weight bytes, KV bytes) it holds.
+        self.rank_memory = [list(zip(i.weight_bytes, i.kv_bytes)) for i in infos]
+        if self.config.model.tensor_parallel_size > 1:
+            logger.info("per rank: %s", "; ".join(
+                ", ".join(f"{w / 2**20:.1f} MiB weights + {k / 2**20:.1f} MiB KV" for w, k in ranks)
+                for ranks in self.rank_memory))
         sizes = {i.block_size for i in infos}
         if len(sizes) != 1:  # CPU and GPU workers mixed without cache.block_size
             raise ValueError(f"workers chose different KV block sizes {sorted(sizes)}; set cache.block_size")

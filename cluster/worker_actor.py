@@ -1,50 +1,108 @@
-"""The worker actor: hosts a ``workers.worker.Worker`` and forwards to it."""
+"""The worker actor: hosts a ``workers.worker.Worker`` and forwards to it.
+
+With ``model.tensor_parallel_size`` > 1 it is the lead rank of the worker's group: it starts the
+other ranks (``cluster.rank_actor``), joins their process group and sends them every forward."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 from typing import Any
 
 import ray
 
-from workers.wire import StepPlan, StepResult, WorkerInfo
+from cluster.rank_actor import launch_followers, prepare_process
+from workers.row_work import RowWork
+from workers.tensor_parallel import TensorGroupLost
+from workers.wire import StepPlan, StepResult, TensorRank, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class RayFollowers:
+    """The lead's link to its follower ranks: calls queue in order on each actor; ``wait`` collects them."""
+
+    def __init__(self, actors: list[Any], timeout_s: float) -> None:
+        self.actors = actors
+        self.timeout_s = timeout_s
+        self._pending: list[Any] = []
+
+    def send_forward(self, rows: list[RowWork]) -> None:
+        shared = ray.put(rows)
+        self._pending += [actor.forward.remote(shared) for actor in self.actors]
+
+    def send_copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        self._pending += [actor.copy_blocks.remote(sources, targets) for actor in self.actors]
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            ray.get(pending, timeout=self.timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TensorGroupLost(f"a rank of this worker's tensor-parallel group failed ({type(exc).__name__}: "
+                                  f"{first})") from None
+
+
+def _rendezvous() -> str:
+    """A free port on this node for the group's process group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
 
 @ray.remote
 class WorkerActor:
     """Hosts a ``workers.worker.Worker`` on the device Ray assigned to this actor."""
 
-    def __init__(self, worker_id: int, config: dict[str, Any], model_path: str) -> None:
-        import torch
-
-        from cluster.quiet import quiet_libraries
-
-        quiet_libraries()
+    def __init__(self, worker_id: int, config: dict[str, Any], model_path: str, placement: Any = None) -> None:
         from cluster.config import load_config
+        from cluster.memory import check_device_memory
         from workers.worker import Worker
 
-        gpu_ids = ray.get_gpu_ids()
-        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs: they are numbered from 0 here.
-        device = torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cpu":
-            from workers.threads import set_cpu_threads
+        device = prepare_process(config)
+        loaded = load_config(config)
+        check_device_memory(loaded, model_path, device)  # before any weight loads
+        followers = None
+        self.followers: list[Any] = []
+        size = loaded.model.tensor_parallel_size
+        if size > 1:
+            from workers.tensor_parallel import join_group
 
-            set_cpu_threads(config["cluster"]["cpus_per_worker"])  # this worker's share, not the host's cores
-        self.worker = Worker.from_config(worker_id, load_config(config), model_path, device)
+            address = _rendezvous()
+            self.followers = launch_followers(loaded, placement, worker_id, address)
+            join_group(TensorRank(0, size, address), device, loaded.cluster.startup_timeout_s)
+            followers = RayFollowers(self.followers, loaded.cluster.call_timeout_s)
+        self.worker = Worker.from_config(worker_id, loaded, model_path, device, followers=followers)
         self.device = str(device)
 
     def ready(self) -> str:
         return self.device
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.device, self.worker.runner.num_blocks, self.worker.runner.block_size)
+        runner = self.worker.runner
+        memory = [(runner.weight_bytes, runner.kv_bytes)] if hasattr(runner, "weight_bytes") else []
+        memory += ray.get([f.memory.remote() for f in self.followers])
+        return WorkerInfo(self.device, runner.num_blocks, runner.block_size,
+                          weight_bytes=tuple(w for w, _ in memory), kv_bytes=tuple(k for _, k in memory))
 
     def step(self, plan: StepPlan) -> StepResult:
-        return self.worker.step(plan)
+        try:
+            return self.worker.step(plan)
+        except TensorGroupLost as exc:
+            # The group cannot go on without the rank: end it as one worker (its followers end with
+            # this actor, their owner), so the engine requeues its rows and starts a new group.
+            logger.error("worker %d: %s; ending the group", self.worker.worker_id, exc)
+            os._exit(1)
 
     def reset(self) -> None:
         self.worker.reset()
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+    def rank_pids(self) -> list[int]:
+        """This process and its follower ranks' processes, rank by rank."""
+        return [os.getpid(), *ray.get([f.pid.remote() for f in self.followers])]

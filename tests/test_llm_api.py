@@ -47,10 +47,13 @@ def test_config_file_plus_keywords_and_presets(tmp_path):
     assert config_from_llm_args(TINY, data_parallel_size=3).cluster.num_engines == 3
     with pytest.raises(ValueError, match=r"cluster.num_engines=2 needs Ray: the in-process engine"):
         LLM(TINY, data_parallel_size=2, local=True)
+    assert config_from_llm_args(TINY, tensor_parallel_size=2).model.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"model.tensor_parallel_size=2 needs Ray \(one process per rank\)"):
+        LLM(TINY, tensor_parallel_size=2, local=True)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2}, "tensor parallelism is not supported"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
     ({"enable_lora": True}, "LoRA adapters are not supported"),
     ({"quantization": "awq"}, "quantized execution is not supported"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype other than 'auto'"),

@@ -20,6 +20,7 @@ import torch
 
 from workers.paged_attention import ATTENTION_NAME, PagedKVCache, UnsupportedAttention
 from workers.row_work import RowWork
+from workers.tensor_parallel import agree_all
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _probe_tokens(runner: ProbedRunner) -> list[int]:
 
 
 _PROBED_SOURCES = ("model_runner.py", "model_support.py", "attention_probe.py", "row_work.py", "paged_attention.py", "native_attention.py",
-                   "decode_layout.py", "native/paged_decode.cpp")
+                   "decode_layout.py", "native/paged_decode.cpp", "tensor_parallel.py")
 
 
 def probe_key(runner: ProbedRunner, model_path: str | Path, trust_remote_code: bool) -> str | None:
@@ -72,7 +73,7 @@ def probe_key(runner: ProbedRunner, model_path: str | Path, trust_remote_code: b
         source = here / name
         digest.update(source.read_bytes() if source.is_file() else b"-")
     layout = (torch.__version__, transformers.__version__, runner.device.type, str(runner.dtype), runner.block_size,
-              runner.max_model_len, runner.native_decode, len(_probe_tokens(runner)))
+              runner.max_model_len, runner.native_decode, len(_probe_tokens(runner)), runner.kv_heads)
     digest.update(repr(layout).encode())
     return digest.hexdigest()[:32]
 
@@ -84,7 +85,9 @@ def verify_once(runner: ProbedRunner, model_path: str | Path, trust_remote_code:
 
     key = probe_key(runner, model_path, trust_remote_code)
     marker = cache_root() / "probes" / key if key is not None else None
-    if marker is not None and marker.is_file():
+    # The ranks of a tensor-parallel group probe together (the forwards' collectives must meet): all
+    # skip, or none does, whatever another group on this host wrote meanwhile.
+    if agree_all(marker is not None and marker.is_file()):
         return
     verify_against_eager(runner)
     if marker is not None:

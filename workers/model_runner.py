@@ -22,6 +22,7 @@ from workers.decode_layout import block_major_layout
 from workers.attention_probe import verify_once
 from workers.model_support import check_model_config, kv_geometry, resolved_max_model_len
 from workers.row_work import RowWork
+from workers.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
 from workers.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
@@ -37,6 +38,21 @@ from workers.paged_attention import (
 logger = logging.getLogger(__name__)
 
 MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
+
+
+def sharded_loading(model_path: str | Path, size: int, trust_remote_code: bool) -> dict:
+    """``from_pretrained`` arguments that load this rank's shard (none without tensor parallelism)."""
+    if size == 1:
+        return {}
+    import torch.distributed as dist
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    check_divisible(AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code), size)
+    if not dist.is_initialized() or dist.get_world_size() != size:
+        raise RuntimeError(f"tensor_parallel_size={size}: join the rank's process group first "
+                           "(workers.tensor_parallel.join_group)")
+    return {"distributed_config": DistributedConfig(tp_size=size)}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -80,17 +96,21 @@ class ModelRunner:
                  prepack_cpu_weights: bool = True, block_size: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
-                 spare_blocks: int = 0) -> None:
+                 spare_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
         """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
         ahead writes the token of a row entering a block the coordinator has not yet given it
-        (``workers.ahead``); ``copy_blocks`` moves it there once the plan names the block."""
+        (``workers.ahead``); ``copy_blocks`` moves it there once the plan names the block.
+        ``tensor_parallel_size`` > 1: this process is one rank of a group that has joined its
+        ``torch.distributed`` group (``workers.tensor_parallel``); it holds that rank's shard and heads."""
         from transformers import AutoModelForCausalLM
 
         register_paged_attention()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.tensor_parallel_size = tensor_parallel_size
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=self.dtype, trust_remote_code=trust_remote_code
+            str(model_path), dtype=self.dtype, trust_remote_code=trust_remote_code,
+            **sharded_loading(model_path, tensor_parallel_size, trust_remote_code),
         )
         config = model.config
         self.max_model_len = resolved_max_model_len(config, max_model_len)
@@ -105,11 +125,13 @@ class ModelRunner:
         self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
         self.vocab_size = config.vocab_size
         self.block_size = block_size or default_block_size(self.device, self.native_decode)
-        self.num_layers, self.kv_heads, self.head_dim = kv_geometry(config)
+        self.num_layers, kv_heads, self.head_dim = kv_geometry(config)
+        self.kv_heads = kv_heads // tensor_parallel_size  # this rank's heads
         block_size = self.block_size
         per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
-        self.num_blocks = self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks)
+        self.num_blocks = smallest_over_ranks(
+            self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks))
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"KV cache budget holds {self.num_blocks} blocks of {block_size} tokens "
@@ -123,12 +145,15 @@ class ModelRunner:
         self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks, block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.spare_blocks = list(range(self.num_blocks, self.num_blocks + spare_blocks))
+        self.weight_bytes = shard_bytes(self.model)
+        self.kv_bytes = (self.num_blocks + spare_blocks) * per_block
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
                     block_size, self.num_blocks * per_block / 2**20, self.device,
                     "native CPU kernel" if self.native_decode else "torch")
         # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
-        # against prepacked ones), and the check compares attention.
-        if prepack_cpu_weights and prepack_available(self.device, self.dtype):
+        # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
+        # transformers' collectives hang on the linear modules that fusion would replace.
+        if prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1:
             fuse_cpu_layers(self.model)
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:

@@ -302,6 +302,10 @@ def paged_attention(
     cache = packed_step.cache
     k_pool, v_pool = cache.keys[layer], cache.values[layer]
     head_dim = query.shape[3]
+    if key.shape[1] != k_pool.shape[1]:
+        raise UnsupportedAttention(
+            f"layer {layer} gives {key.shape[1]} KV heads where the cache holds {k_pool.shape[1]} per rank: the model's "
+            "tensor-parallel plan does not split its key/value heads across ranks (use tensor_parallel_size 1)")
     for pool, new in ((k_pool, key), (v_pool, value)):
         rows = new[0].transpose(0, 1).reshape(-1, head_dim).to(pool.dtype)  # (N * kv_heads, d), token-major
         pool.view(-1, head_dim).index_copy_(0, packed_step.write_slots, rows)

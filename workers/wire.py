@@ -162,3 +162,16 @@ class WorkerInfo:
     device: str
     num_blocks: int
     block_size: int
+    # Per rank of the worker's tensor-parallel group (one entry when it has none): bytes of the
+    # model's shard and of the KV cache that rank holds.
+    weight_bytes: tuple[int, ...] = ()
+    kv_bytes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorRank:
+    """One rank's place in its worker's tensor-parallel group (``workers.tensor_parallel``)."""
+
+    rank: int
+    size: int
+    address: str  # the group's rendezvous, tcp://host:port on the lead rank's node

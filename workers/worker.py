@@ -23,6 +23,7 @@ from workers.model_runner import ModelRunner
 from workers.row_work import RowWork
 from workers.rejection import verify_drafts
 from workers.sampler import Sampler
+from workers.tensor_parallel import Followers, LeadRunner
 
 
 # KV blocks beyond the budget for the pipelined step, one per row the worker holds up to this many:
@@ -55,29 +56,13 @@ class Worker:
         self.forwards.shutdown()
 
     @classmethod
-    def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str) -> Worker:
-        """Build from a ``RaysampleConfig`` (cluster.config)."""
-        # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
-        # decoding every step waits for its plan (the synchronous step), as the docs say.
-        ahead = config.scheduler.async_scheduling
-        if ahead is None:
-            ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
-        ahead = ahead and config.speculative is None
-        spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if ahead else 0
-        runner = simulated_runner(config, model_path, device, spare) if config.model.simulate is not None else ModelRunner(
-            model_path,
-            device,
-            config.model.dtype,
-            max_model_len=config.model.max_model_len,
-            trust_remote_code=config.model.trust_remote_code,
-            prepack_cpu_weights=config.model.cpu_weight_prepack,
-            block_size=config.cache.block_size,
-            kv_cache_memory=config.cache.kv_cache_memory,
-            gpu_memory_utilization=config.cache.gpu_memory_utilization,
-            max_rows=config.scheduler.slots_per_worker(),
-            decode_attention=config.model.decode_attention,
-            spare_blocks=spare,
-        )
+    def from_config(cls, worker_id: int, config: Any, model_path: str, device: torch.device | str,
+                    followers: Followers | None = None) -> Worker:
+        """Build from a ``RaysampleConfig`` (cluster.config). ``followers``: the other ranks of this
+        worker's tensor-parallel group, which joined its process group with this one (the lead)."""
+        runner = build_runner(config, model_path, device)
+        if followers is not None:
+            runner = LeadRunner(runner, followers)
         tokenizer = None
         if config.reasoning is not None:
             from transformers import AutoTokenizer
@@ -98,7 +83,7 @@ class Worker:
                 sampler.check_spec_decode_support()
             return sampler
 
-        return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=ahead)
+        return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=pipelined(config, device))
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
@@ -171,6 +156,38 @@ class Worker:
         result.compute_s = time.perf_counter() - start_time
         result.cpu_s = time.thread_time() - start_cpu
         return result
+
+
+def pipelined(config: Any, device: torch.device | str) -> bool:
+    """Whether each next forward starts before its plan arrives (``scheduler.async_scheduling``)."""
+    # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
+    # decoding every step waits for its plan (the synchronous step), as the docs say.
+    ahead = config.scheduler.async_scheduling
+    if ahead is None:
+        ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
+    return ahead and config.speculative is None
+
+
+def build_runner(config: Any, model_path: str, device: torch.device | str) -> Any:
+    """The model runner of a worker, or of one rank of its tensor-parallel group (every rank the same)."""
+    spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if pipelined(config, device) else 0
+    if config.model.simulate is not None:
+        return simulated_runner(config, model_path, device, spare)
+    return ModelRunner(
+        model_path,
+        device,
+        config.model.dtype,
+        max_model_len=config.model.max_model_len,
+        trust_remote_code=config.model.trust_remote_code,
+        prepack_cpu_weights=config.model.cpu_weight_prepack,
+        block_size=config.cache.block_size,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        max_rows=config.scheduler.slots_per_worker(),
+        decode_attention=config.model.decode_attention,
+        spare_blocks=spare,
+        tensor_parallel_size=config.model.tensor_parallel_size,
+    )
 
 
 def simulated_runner(config: Any, model_path: str, device: torch.device | str, spare_blocks: int = 0) -> Any:

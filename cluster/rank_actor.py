@@ -1,0 +1,82 @@
+"""A follower rank of a worker's tensor-parallel group: runs the forwards its lead sends, on its shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from workers.row_work import RowWork
+from workers.wire import TensorRank
+
+
+def device_of_actor() -> Any:
+    """This actor's device: its GPU where Ray assigned one (numbered from 0 here), else the CPU."""
+    import torch
+
+    gpu_ids = ray.get_gpu_ids()
+    # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs: they are numbered from 0 here.
+    return torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+
+
+def prepare_process(config: dict[str, Any]) -> Any:
+    """Quiet libraries, size the CPU threads to this actor's share; returns its device."""
+    from cluster.quiet import quiet_libraries
+
+    quiet_libraries()
+    device = device_of_actor()
+    if device.type == "cpu":
+        from workers.threads import set_cpu_threads
+
+        set_cpu_threads(config["cluster"]["cpus_per_worker"])  # this rank's share, not the host's cores
+    return device
+
+
+@ray.remote
+class RankActor:
+    def __init__(self, rank: TensorRank, config: dict[str, Any], model_path: str) -> None:
+        from cluster.config import load_config
+        from cluster.memory import check_device_memory
+        from workers.tensor_parallel import join_group
+        from workers.worker import build_runner
+
+        device = prepare_process(config)
+        loaded = load_config(config)
+        check_device_memory(loaded, model_path, device)  # before any weight loads
+        join_group(rank, device, loaded.cluster.startup_timeout_s)  # meets the lead and the other ranks
+        self.runner = build_runner(loaded, model_path, device)
+
+    def forward(self, rows: list[RowWork]) -> None:
+        self.runner.forward(rows)  # every rank gets the whole logits; the lead samples them
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        self.runner.copy_blocks(sources, targets)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def memory(self) -> tuple[int, int]:
+        """Bytes of this rank's model shard and KV cache."""
+        return self.runner.weight_bytes, self.runner.kv_bytes
+
+
+def launch_followers(config: Any, placement: Any, index: int, address: str) -> list[Any]:
+    """The other ranks of worker ``index``'s tensor-parallel group, on the bundles after its lead's.
+
+    Started by the lead, they are owned by it: Ray ends them when the lead ends, so a group never
+    outlives its worker."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cluster, size = config.cluster, config.model.tensor_parallel_size
+    return [
+        RankActor.options(
+            num_cpus=cluster.cpus_per_worker,
+            num_gpus=cluster.gpus_per_worker,
+            memory=cluster.memory_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=index * size + rank),
+        ).remote(TensorRank(rank, size, address), config.model_dump(by_alias=True), config.model.resolve_path())
+        for rank in range(1, size)
+    ]
