@@ -39,6 +39,9 @@ def describe_start(config: RaysampleConfig, local: bool) -> str:
     else:
         where = f"the Ray cluster at {cluster.address}"
     engines = f"{cluster.num_engines} engines x " if cluster.num_engines > 1 else ""
+    if model.tensor_parallel_size > 1:
+        return (f"{name} on {engines}{cluster.num_workers} worker(s) x {model.tensor_parallel_size} tensor-parallel "
+                f"ranks of {device} each, on {where}")
     return f"{name} on {engines}{cluster.num_workers} worker(s) of {device} each, on {where}"
 
 

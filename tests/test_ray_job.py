@@ -203,3 +203,33 @@ def test_the_ray_data_example_runs_as_the_guide_shows_it(ray_head, tmp_path):
     assert set(json.loads(rows["json"]["generated_text"])) == {"name", "age"}
     assert rows["choice"]["generated_text"] in ("yes", "no")
     assert rows["stop"]["finish_reason"] == "stop" and ", 5" not in rows["stop"]["generated_text"]
+
+
+def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head, tmp_path):
+    """configs/tensor-parallel.yaml: the real model in one group of 3 ranks (gloo), on the head's 4 CPUs;
+    its greedy records equal the in-process engine's on one rank."""
+    from cluster.config import load_config
+    from cluster.llm import LLM
+    from processors import SamplingParams
+
+    address, env = ray_head
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+                 "What is 12 times 12?"]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}],
+                                           "sampling_params": {"max_tokens": 24}}) + "\n"
+                               for i, q in enumerate(questions)))
+    output = tmp_path / "tp.jsonl"
+    run = submit(address, env, ["python", "-m", "cluster.job", "generate", "--config", "configs/tensor-parallel.yaml",
+                                "--input", str(prompts), "--output", str(output)])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    records = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    config = load_config(ROOT / "configs" / "tensor-parallel.yaml")
+    config = config.model_copy(update={"model": config.model.model_copy(update={"tensor_parallel_size": 1})})
+    one_rank = LLM(config=config, local=True)
+    wanted = one_rank.chat([[{"role": "user", "content": q}] for q in questions],
+                           SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    for i, (question, want) in enumerate(zip(questions, wanted)):
+        assert records[i]["error"] is None and records[i]["token_ids"] == want.outputs[0].token_ids, question
+    assert "Paris" in records[0]["text"]
+    assert "on 1 worker(s) x 3 tensor-parallel ranks of 1 CPU each" in run.stdout
