@@ -59,6 +59,7 @@ class Run:
     profiles: list[dict[str, float]]  # per engine, over the timed run
     round_trip_s: float
     calls_cpu_s: float  # CPU of sending one small call to each of an engine's workers and collecting them
+    tp: int = 1  # ranks per worker (model.tensor_parallel_size)
 
     @property
     def label(self) -> str:
@@ -132,11 +133,12 @@ def calls_cpu(workers: list, rounds: int = 30) -> float:
     return statistics.median(times)
 
 
-def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool, pipelined: bool) -> Run:
+def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, compiled: bool, pipelined: bool,
+        tp: int = 1) -> Run:
     config = {
-        "model": {"tiny": "default", "max_model_len": 256, "simulate": {"preset": preset}},
+        "model": {"tiny": "default", "max_model_len": 256, "simulate": {"preset": preset}, "tensor_parallel_size": tp},
         "cluster": {"num_workers": workers, "num_engines": engines, "cpus_per_worker": 1, "compiled_graph": compiled,
-                    "coordinator_name": f"scale-{engines}x{workers}{'-cg' if compiled else ''}-{int(pipelined)}"},
+                    "coordinator_name": f"scale-{engines}x{workers}x{tp}{'-cg' if compiled else ''}-{int(pipelined)}"},
         "scheduler": {"max_num_seqs": rows * workers, "max_num_batched_tokens": 64 * rows * workers,
                       "async_scheduling": pipelined},
     }
@@ -158,7 +160,23 @@ def run(engines: int, workers: int, rows: int, max_tokens: int, preset: str, com
         engine.shutdown()
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     return Run(engines, workers, compiled, pipelined, sum(len(o.outputs[0].token_ids) for o in outs), seconds, delta,
-               round_trip, fan_out)
+               round_trip, fan_out, tp)
+
+
+def tensor_parallel_report(runs: list[Run]) -> None:
+    """The same GPUs as more workers or as wider groups: each group holds tp x the rows (its KV is
+    spread over tp GPUs), so every shape runs the same requests."""
+    base = next(r for r in runs if r.tp == 1)
+    print(f"\n{TOTAL_WORKERS} simulated GPUs as workers x tensor-parallel ranks (pipelined step, actor calls)")
+    print(f"{'workers x TP':<14} {'tokens/s':>9} {'vs 16x1':>8} {'own core':>9} {'vs 16x1':>8} {'compute only':>13} "
+          f"{'vs 16x1':>8} {'compute ms/step':>16} {'step ms':>8}")
+    for r in runs:
+        compute_rate = r.tokens / r.compute_seconds()
+        base_compute = base.tokens / base.compute_seconds()
+        steps = sum(p["steps"] for p in r.profiles)
+        print(f"{f'{r.workers} x {r.tp}':<14} {r.rate():9.0f} {r.rate() / base.rate():8.2f} {r.own_core_rate():9.0f} "
+              f"{r.own_core_rate() / base.own_core_rate():8.2f} {compute_rate:13.0f} {compute_rate / base_compute:8.2f} "
+              f"{1000 * r.compute_seconds() / steps:16.2f} {1000 * r.seconds / steps:8.2f}")
 
 
 def base_of(runs: list[Run], r: Run) -> Run:
@@ -243,6 +261,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--preset", default="llama-8b-h100")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
+    parser.add_argument("--tp", default="", help="instead: 16 GPUs as 16/tp workers x tp ranks, e.g. 1,2,4,8")
     parser.add_argument("--quick", action="store_true",
                         help="1 worker, then 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
     args = parser.parse_args()
@@ -252,6 +271,19 @@ def main() -> None:
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     modes = [{"sync": False, "pipelined": True}[m] for m in args.modes.split(",") if m]
+    if args.tp:
+        ray.init(num_cpus=TOTAL_WORKERS + 2, include_dashboard=False, namespace="raysample", log_to_driver=False)
+        print(f"simulated {args.preset} ranks; {args.rows} rows per GPU, {args.max_tokens} tokens a request")
+        tp_runs = []
+        try:
+            for tp in (int(t) for t in args.tp.split(",") if t):
+                r = run(1, TOTAL_WORKERS // tp, args.rows * tp, args.max_tokens, args.preset, False, True, tp=tp)
+                tp_runs.append(r)
+                print(f"{r.workers} x {r.tp}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s", flush=True)
+        finally:
+            ray.shutdown()
+        tensor_parallel_report(tp_runs)
+        return
     if args.quick:
         shapes = [(1, 1, False), (2, 1, False)]
         rows, max_tokens = 8, 8

@@ -28,6 +28,11 @@ class SimulateSection(_Section):
     fixed_ms: float | None = Field(default=None, ge=0.0)
     per_token_ms: float | None = Field(default=None, ge=0.0)
     num_blocks: int | None = Field(default=None, ge=1)  # KV blocks a worker claims (none are allocated)
+    # With model.tensor_parallel_size > 1, each rank computes 1/N of the step plus two all-reduces a
+    # layer: this latency each (NCCL on NVLink, small messages) and the hidden vectors at this bus
+    # bandwidth (NCCL's all-reduce bus bandwidth on 8 H100 SXM, large messages: about 360 GB/s).
+    allreduce_latency_us: float = Field(default=10.0, ge=0.0)
+    allreduce_gb_per_s: float = Field(default=360.0, gt=0.0)
 
     @model_validator(mode="after")
     def _one_timing(self) -> SimulateSection:
@@ -40,12 +45,15 @@ class SimulateSection(_Section):
             raise ValueError(f"unknown simulate preset {self.preset!r}; presets: {', '.join(sorted(PRESETS))}")
         return self
 
-    def compute_model(self) -> Any:
+    def compute_model(self, tensor_parallel_size: int = 1) -> Any:
+        """The modelled step of one worker, or of one rank of a tensor-parallel group."""
         from workers.simulated_runner import PRESETS, ComputeModel
 
         if self.preset is not None:
-            return PRESETS[self.preset]
-        return ComputeModel((self.fixed_ms or 0.0) / 1e3, (self.per_token_ms or 0.0) / 1e3)
+            whole = PRESETS[self.preset]
+        else:
+            whole = ComputeModel((self.fixed_ms or 0.0) / 1e3, (self.per_token_ms or 0.0) / 1e3)
+        return whole.split(tensor_parallel_size, self.allreduce_latency_us / 1e6, self.allreduce_gb_per_s * 1e9)
 
 
 class ModelSection(_Section):

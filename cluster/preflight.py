@@ -32,8 +32,7 @@ def check_tensor_parallel(config: RaysampleConfig, local: bool) -> None:
         raise PreflightError(f"model.tensor_parallel_size={size} needs Ray (one process per rank): the in-process "
                              "engine (--local, LocalEngine, LLM(local=True)) holds whole models; drop --local")
     if config.model.simulate is not None:
-        raise PreflightError("model.tensor_parallel_size with model.simulate: the simulated step models one GPU "
-                             "per worker (bench/scale_out.py --tp models groups)")
+        return  # ranks that sleep their share of the modelled step (workers.simulated_runner)
     from transformers import AutoConfig
 
     from workers.tensor_parallel import check_divisible, valid_sizes

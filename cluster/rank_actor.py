@@ -43,7 +43,8 @@ class RankActor:
         device = prepare_process(config)
         loaded = load_config(config)
         check_device_memory(loaded, model_path, device)  # before any weight loads
-        join_group(rank, device, loaded.cluster.startup_timeout_s)  # meets the lead and the other ranks
+        if loaded.model.simulate is None:  # simulated ranks only sleep: no collectives to meet
+            join_group(rank, device, loaded.cluster.startup_timeout_s)  # meets the lead and the other ranks
         self.runner = build_runner(loaded, model_path, device)
 
     def forward(self, rows: list[RowWork]) -> None:
@@ -59,7 +60,7 @@ class RankActor:
 
     def memory(self) -> tuple[int, int]:
         """Bytes of this rank's model shard and KV cache."""
-        return self.runner.weight_bytes, self.runner.kv_bytes
+        return getattr(self.runner, "weight_bytes", 0), getattr(self.runner, "kv_bytes", 0)  # 0: simulated
 
 
 def launch_followers(config: Any, placement: Any, index: int, address: str) -> list[Any]:

@@ -73,7 +73,8 @@ class WorkerActor:
 
             address = _rendezvous()
             self.followers = launch_followers(loaded, placement, worker_id, address)
-            join_group(TensorRank(0, size, address), device, loaded.cluster.startup_timeout_s)
+            if loaded.model.simulate is None:
+                join_group(TensorRank(0, size, address), device, loaded.cluster.startup_timeout_s)
             followers = RayFollowers(self.followers, loaded.cluster.call_timeout_s)
         self.worker = Worker.from_config(worker_id, loaded, model_path, device, followers=followers)
         self.device = str(device)
@@ -83,7 +84,7 @@ class WorkerActor:
 
     def info(self) -> WorkerInfo:
         runner = self.worker.runner
-        memory = [(runner.weight_bytes, runner.kv_bytes)] if hasattr(runner, "weight_bytes") else []
+        memory = [(getattr(runner, "weight_bytes", 0), getattr(runner, "kv_bytes", 0))]  # 0: simulated
         memory += ray.get([f.memory.remote() for f in self.followers])
         return WorkerInfo(self.device, runner.num_blocks, runner.block_size,
                           weight_bytes=tuple(w for w, _ in memory), kv_bytes=tuple(k for _, k in memory))

@@ -313,3 +313,17 @@ def test_the_real_model_in_three_ranks_through_llm_equals_one_rank(ray_instance)
     assert "Paris" in split[0].outputs[0].text
     whole = ModelMemory.of(load_config({"model": SMOLLM}).model.resolve_path(), "float32", 512).weights
     assert len(ranks) == 3 and all(abs(w - whole / 3) < 0.02 * whole for w, _ in ranks), (ranks, whole)
+
+
+def test_a_simulated_rank_computes_its_share_plus_two_allreduces_a_layer():
+    from workers.simulated_runner import PRESETS
+
+    whole = PRESETS["llama-8b-h100"]
+    config = load_config({"model": {"tiny": "default", "tensor_parallel_size": 4,
+                                    "simulate": {"preset": "llama-8b-h100"}}})
+    rank = config.model.simulate.compute_model(4)
+    assert rank.fixed_s == pytest.approx(whole.fixed_s / 4 + 2 * 32 * 10e-6)
+    ring = 2 * 32 * 2 * 3 / 4 * 4096 * 2 / 360e9  # seconds a token: each all-reduce moves 2(N-1)/N of a row
+    assert rank.per_token_s == pytest.approx(whole.per_token_s / 4 + ring)
+    assert config.model.simulate.compute_model(1) == whole
+    check_tensor_parallel(config, local=False)  # simulated ranks need no divisible heads
