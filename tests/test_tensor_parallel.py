@@ -327,3 +327,17 @@ def test_a_simulated_rank_computes_its_share_plus_two_allreduces_a_layer():
     assert rank.per_token_s == pytest.approx(whole.per_token_s / 4 + ring)
     assert config.model.simulate.compute_model(1) == whole
     check_tensor_parallel(config, local=False)  # simulated ranks need no divisible heads
+
+
+def test_the_jobs_tp_flag_overrides_the_config(tmp_path, capsys):
+    import yaml
+
+    from cluster.job import main
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"model": {"tiny": "default"}}))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "x"}\n')
+    code = main(["generate", "--config", str(config), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                 "--local", "-tp", "2"])
+    assert code == 2 and "model.tensor_parallel_size=2 needs Ray" in capsys.readouterr().err
