@@ -63,6 +63,12 @@ def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]
     return engine_request_id(id_key(rid)) if rid is not None else f"row:{uuid.uuid4().hex}", prompt, params
 
 
+def engine_in_actor(config: RaysampleConfig) -> bool:
+    """One worker of one rank: the engine runs inside the Ray Data actor. Else it places its own
+    workers (and their tensor-parallel ranks), and the actor only drives it."""
+    return config.cluster.num_workers == 1 and config.model.tensor_parallel_size == 1
+
+
 class EngineStage:
     """The Ray Data UDF: one raysample engine per actor, a batch of rows in, the same rows plus outputs out."""
 
@@ -74,7 +80,7 @@ class EngineStage:
         self.config = load_config(config)
         self.preprocess, self.postprocess = preprocess, postprocess
         # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
-        local = self.config.cluster.num_workers == 1
+        local = engine_in_actor(self.config)
         self.engine: Any = build_engine(self.config, local=local)
         if local:
             self._tokenizer = self.engine.tokenizer
@@ -202,7 +208,7 @@ class Processor:
         from cluster.ray_cluster import check_cluster_resources
 
         config = self.config
-        in_actor = config.cluster.num_workers == 1
+        in_actor = engine_in_actor(config)
         if ray.is_initialized():
             if in_actor:  # the actors hold the workers: their KV budgets are planned here, for all of them
                 from cluster.memory import plan_on_ray
