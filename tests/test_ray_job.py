@@ -207,14 +207,16 @@ def test_the_ray_data_example_runs_as_the_guide_shows_it(ray_head, tmp_path):
 
 def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head, tmp_path):
     """configs/tensor-parallel.yaml: the real model in one group of 3 ranks (gloo), on the head's 4 CPUs;
-    its greedy records equal the in-process engine's on one rank."""
+    its greedy records on 8 chat prompts equal the in-process engine's on one rank (tokens exact; the
+    job writes no logprobs here, tests/test_tensor_parallel.py holds those to 1e-4 on the tiny model)."""
     from cluster.config import load_config
     from cluster.llm import LLM
     from processors import SamplingParams
 
     address, env = ray_head
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
-                 "What is 12 times 12?"]
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Is water wet? Answer in one word.",
+                 "List three primary colors.", "What is 12 times 12?", "Name a famous painter.",
+                 "Translate 'good morning' to French.", "Give me a synonym for happy."]
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}],
                                            "sampling_params": {"max_tokens": 24}}) + "\n"
