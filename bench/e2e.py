@@ -175,8 +175,11 @@ class StepTimers:
     def __init__(self, engine: LocalEngine) -> None:
         from torch import nn
 
-        self.seconds = {"linear": 0.0, "forward": 0.0, "sampler": 0.0, "coordinator": 0.0}
+        self.seconds = {"linear": 0.0, "forward": 0.0, "sampler": 0.0, "coordinator": 0.0, "attention": 0.0}
         worker = engine.workers[0]
+        import workers.paged_attention as paged
+
+        self._wrap(paged, "native_paged_decode", "attention")  # the decode-attention kernel (C++, CPU)
         self._wrap(worker.runner, "forward", "forward")
         self._wrap(worker, "sampler", "sampler", call=True)
         self._wrap(engine.coordinator, "next_plan", "coordinator")
@@ -215,7 +218,8 @@ class StepTimers:
 
     def report(self, elapsed: float) -> dict[str, float]:
         s = self.seconds
-        parts = {"linear layers": s["linear"], "rest of the forward": s["forward"] - s["linear"],
+        parts = {"linear layers": s["linear"], "decode attention (native kernel)": s["attention"],
+                 "rest of the forward": s["forward"] - s["linear"] - s["attention"],
                  "sampling": s["sampler"], "coordinator": s["coordinator"]}
         parts["rest (worker plan, detokenize, Python)"] = elapsed - sum(parts.values())
         return {k: v / elapsed for k, v in parts.items()}
