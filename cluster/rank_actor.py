@@ -47,6 +47,9 @@ class RankActor:
             join_group(rank, device, loaded.cluster.startup_timeout_s)  # meets the lead and the other ranks
         self.runner = build_runner(loaded, model_path, device)
 
+    def ready(self) -> bool:
+        return True
+
     def forward(self, rows: list[RowWork]) -> None:
         self.runner.forward(rows)  # every rank gets the whole logits; the lead samples them
 

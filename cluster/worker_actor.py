@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 import ray
@@ -53,6 +54,22 @@ def _rendezvous() -> str:
     return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
 
+def _end_if_a_rank_fails(followers: list[Any], loaded: threading.Event) -> None:
+    """While the group starts, the lead waits in collectives its ranks must join: a rank that fails
+    to start would leave it waiting for the whole start-up timeout. End the lead at once instead,
+    with the rank's error, so the engine reports the failure now."""
+    pending = [f.ready.remote() for f in followers]
+    while pending and not loaded.is_set():
+        done, pending = ray.wait(pending, timeout=1.0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                logger.error("a tensor-parallel rank failed to start; ending its group: %s",
+                             str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+                os._exit(1)
+
+
 @ray.remote
 class WorkerActor:
     """Hosts a ``workers.worker.Worker`` on the device Ray assigned to this actor."""
@@ -73,10 +90,15 @@ class WorkerActor:
 
             address = _rendezvous()
             self.followers = launch_followers(loaded, placement, worker_id, address)
+            loading = threading.Event()
+            threading.Thread(target=_end_if_a_rank_fails, args=(self.followers, loading), daemon=True,
+                             name="raysample-rank-watch").start()
             if loaded.model.simulate is None:
                 join_group(TensorRank(0, size, address), device, loaded.cluster.startup_timeout_s)
             followers = RayFollowers(self.followers, loaded.cluster.call_timeout_s)
         self.worker = Worker.from_config(worker_id, loaded, model_path, device, followers=followers)
+        if size > 1:
+            loading.set()
         self.device = str(device)
 
     def ready(self) -> str:
