@@ -241,6 +241,11 @@ def _widened(tensor: torch.Tensor) -> torch.Tensor:
         from workers.cpu_linear import _BATCH_HINT
 
         return torch.ops.mkldnn._reorder_linear_weight(tensor.to_dense().float(), _BATCH_HINT)
+    if hasattr(tensor, "to_local"):  # a tensor-parallel shard (DTensor): widen the local shard in place of it
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(tensor.to_local().float(), tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
     return tensor.detach().float()
 
 
