@@ -232,11 +232,14 @@ def ray_instance():
 PROMPTS = ["a b c a b c", "The quick brown fox", "café 你好", "1 2 3 1 2 3", "Logits processors", "Hello there"]
 
 
-def tiny_config(size: int, workers: int = 1, pipelined: bool = False, **cluster) -> dict:
-    return {"model": {"tiny": "default", "max_model_len": 128, "tensor_parallel_size": size},
-            "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1, "async_scheduling": pipelined},
-            "processors": ["processors.examples:DummyLogitsProcessor"],
-            "cluster": {"num_workers": workers, "call_timeout_s": 30, **cluster}}
+def tiny_config(size: int, workers: int = 1, pipelined: bool = False, drafts: bool = False, **cluster) -> dict:
+    config = {"model": {"tiny": "default", "max_model_len": 128, "tensor_parallel_size": size},
+              "scheduler": {"max_num_seqs": 4, "consistency_check_every": 1, "async_scheduling": pipelined},
+              "processors": ["processors.examples:DummyLogitsProcessor"],
+              "cluster": {"num_workers": workers, "call_timeout_s": 30, **cluster}}
+    if drafts:
+        config["speculative"] = {"num_speculative_tokens": 3, "draft_policy": "fixed"}
+    return config
 
 
 def tiny_workload() -> list[SamplingParams]:
@@ -250,14 +253,15 @@ def chosen_logprobs(output) -> list[float]:
 
 
 def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instance):
-    """Through vLLM's handle, ``LLM(tensor_parallel_size=2)``. Two groups run pipelined: the forward
-    launched ahead, and its spare-block copies, reach every rank in the lead's order."""
+    """Through vLLM's handle, ``LLM(tensor_parallel_size=2)``. One group verifies n-gram drafts (rows of
+    several queries on every rank); two groups run pipelined: the forward launched ahead, and its
+    spare-block copies, reach every rank in the lead's order."""
     from cluster.llm import LLM
     from cluster.local_engine import LocalEngine
 
     reference = LocalEngine(tiny_config(1)).generate(PROMPTS, tiny_workload())
     for workers in (1, 2):
-        config = tiny_config(1, workers, pipelined=workers == 2)
+        config = tiny_config(1, workers, pipelined=workers == 2, drafts=workers == 1)
         llm = LLM(config=config, tensor_parallel_size=2)
         try:
             outputs = [o.outputs[0] for o in llm.generate(PROMPTS, tiny_workload(), use_tqdm=False)]
@@ -269,6 +273,7 @@ def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instanc
             assert max(abs(a - b) for a, b in zip(chosen_logprobs(got), chosen_logprobs(want))) < LOGPROB_TOLERANCE
         assert stats["workers_alive"] == workers and stats["error"] is None and stats["steps"] > 20  # audited
         assert (stats["ahead_rows"] > 0) == (workers == 2)
+        assert (stats["spec_proposed"] > 0) == (workers == 1)
         ranks = stats["rank_memory"]
         assert len(ranks) == workers and all(len(group) == 2 for group in ranks)
         (w0, k0), (w1, k1) = ranks[0]
