@@ -196,6 +196,7 @@ def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_o
     rows = config.scheduler.slots_per_worker()
     one_request = model.max_model_len * model.kv_per_token
     _refuse_too_large(config, model, one_request, node_memory, where)
+    each = "per rank" if config.model.tensor_parallel_size > 1 else "per worker"  # a rank holds its heads' share
     every_row = rows * one_request
     weights = workers_on_node * model.weights
     cache = config.cache
@@ -205,7 +206,7 @@ def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_o
         need = workers_on_node * (kv + model.weights + RUNTIME_BYTES)
         if need > node_memory:
             raise MemoryPlanError(
-                f"cache.kv_cache_memory={_gib(kv)} per worker is more than the node holds: {workers_on_node} "
+                f"cache.kv_cache_memory={_gib(kv)} {each} is more than the node holds: {workers_on_node} "
                 f"worker(s) x ({_gib(kv)} KV + {_gib(model.weights)} weights + {_gib(RUNTIME_BYTES)} runtime) = "
                 f"{_gib(need)}, with {node}; lower cache.kv_cache_memory or cluster.num_workers, or leave "
                 "cache.kv_cache_memory unset to size it from the node")
@@ -223,11 +224,11 @@ def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_o
             kv, note = every_row, note + f"; capped by {rows} rows at max_model_len={model.max_model_len}"
     if kv < one_request:
         raise MemoryPlanError(
-            f"a KV cache of {_gib(kv)} per worker ({note}) holds {kv // max(model.kv_per_token, 1)} tokens; one "
+            f"a KV cache of {_gib(kv)} {each} ({note}) holds {kv // max(model.kv_per_token, 1)} tokens; one "
             f"request of model.max_model_len={model.max_model_len} needs {one_request // model.kv_per_token} "
             f"({_gib(one_request)} at {model.kv_per_token} bytes a token): lower model.max_model_len, or raise "
             "cache.kv_cache_memory (or give the node more memory)")
-    return MemoryPlan(kv, model.weights + kv + RUNTIME_BYTES, f"{_gib(kv)} per worker, {note}")
+    return MemoryPlan(kv, model.weights + kv + RUNTIME_BYTES, f"{_gib(kv)} {each}, {note}")
 
 
 def _refuse_too_large(config: Any, model: ModelMemory, one_request: int, node_memory: int, where: str) -> None:
