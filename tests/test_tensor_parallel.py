@@ -52,6 +52,9 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_in_vllms_words():
     with pytest.raises(PreflightError, match=r"model.tensor_parallel_size: Total number of attention heads \(9\) .* "
                                              r"This model splits into 1, 3\."):
         check_tensor_parallel(load_config({"model": {**SMOLLM, "tensor_parallel_size": 2}}), local=False)
+    shipped = load_config(ROOT / "configs" / "tensor-parallel.yaml")
+    assert shipped.model.tensor_parallel_size == 3
+    check_tensor_parallel(shipped, local=False)  # the shipped size splits the real model
 
 
 def test_no_plan_and_the_in_process_engine_are_refused():
