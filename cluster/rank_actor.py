@@ -66,21 +66,22 @@ class RankActor:
         return getattr(self.runner, "weight_bytes", 0), getattr(self.runner, "kv_bytes", 0)  # 0: simulated
 
 
-def launch_followers(config: Any, placement: Any, index: int, address: str) -> list[Any]:
+def bundle_options(config: Any, placement: Any, bundle: int) -> dict[str, Any]:
+    """Ray options of an actor holding one bundle's resources: a worker, or one rank of its group."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cluster = config.cluster
+    return {"num_cpus": cluster.cpus_per_worker, "num_gpus": cluster.gpus_per_worker,
+            "memory": cluster.memory_per_worker,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)}
+
+
+def launch_followers(config: Any, placement: Any, index: int, address: str, model_path: str) -> list[Any]:
     """The other ranks of worker ``index``'s tensor-parallel group, on the bundles after its lead's.
 
     Started by the lead, they are owned by it: Ray ends them when the lead ends, so a group never
     outlives its worker."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    cluster, size = config.cluster, config.model.tensor_parallel_size
-    return [
-        RankActor.options(
-            num_cpus=cluster.cpus_per_worker,
-            num_gpus=cluster.gpus_per_worker,
-            memory=cluster.memory_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement, placement_group_bundle_index=index * size + rank),
-        ).remote(TensorRank(rank, size, address), config.model_dump(by_alias=True), config.model.resolve_path())
-        for rank in range(1, size)
-    ]
+    size = config.model.tensor_parallel_size
+    return [RankActor.options(**bundle_options(config, placement, index * size + rank)).remote(
+                TensorRank(rank, size, address), config.model_dump(by_alias=True), model_path)
+            for rank in range(1, size)]

@@ -84,20 +84,14 @@ def check_cluster_resources(config: RaysampleConfig) -> None:
 
 
 def launch_worker(config: RaysampleConfig, placement: PlacementGroup, index: int) -> Any:
-    """Start worker ``index`` on its bundle; it loads the model in its constructor (not awaited here)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+    """Start worker ``index`` on its bundle (its lead rank's, with tensor parallelism); it loads the
+    model in its constructor (not awaited here)."""
+    from cluster.rank_actor import bundle_options
     from cluster.worker_actor import WorkerActor
 
-    cluster = config.cluster
-    return WorkerActor.options(
-        num_cpus=cluster.cpus_per_worker,
-        num_gpus=cluster.gpus_per_worker,
-        memory=cluster.memory_per_worker,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement, placement_group_bundle_index=index * config.model.tensor_parallel_size),
-    ).remote(index, config.model_dump(by_alias=True), config.model.resolve_path(), placement)
-
+    bundle = index * config.model.tensor_parallel_size
+    return WorkerActor.options(**bundle_options(config, placement, bundle)).remote(
+        index, config.model_dump(by_alias=True), config.model.resolve_path(), placement)
 
 
 def create_worker_placement(config: RaysampleConfig, timeout_s: float, wait: bool = True) -> PlacementGroup:

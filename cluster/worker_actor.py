@@ -89,7 +89,7 @@ class WorkerActor:
             from workers.tensor_parallel import join_group
 
             address = _rendezvous()
-            self.followers = launch_followers(loaded, placement, worker_id, address)
+            self.followers = launch_followers(loaded, placement, worker_id, address, model_path)
             loading = threading.Event()
             threading.Thread(target=_end_if_a_rank_fails, args=(self.followers, loading), daemon=True,
                              name="raysample-rank-watch").start()

@@ -107,7 +107,6 @@ class ModelRunner:
         register_paged_attention()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.tensor_parallel_size = tensor_parallel_size
         model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=self.dtype, trust_remote_code=trust_remote_code,
             **sharded_loading(model_path, tensor_parallel_size, trust_remote_code),

@@ -87,15 +87,7 @@ def leave_group() -> None:
 
 def agree_all(value: bool) -> bool:
     """Whether ``value`` holds on every rank of the group (True when there is no group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    flag = torch.tensor([int(value)])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(smallest_over_ranks(int(value)))
 
 
 def smallest_over_ranks(value: int) -> int:

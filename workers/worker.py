@@ -202,5 +202,5 @@ def simulated_runner(config: Any, model_path: str, device: torch.device | str, s
     block_size = config.cache.block_size or 16
     simulate = config.model.simulate
     blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)
-    return SimulatedRunner(simulate.compute_model(config.model.tensor_parallel_size), model_config.vocab_size, max_model_len, blocks, block_size,
-                           device, spare_blocks=spare_blocks)
+    return SimulatedRunner(simulate.compute_model(config.model.tensor_parallel_size), model_config.vocab_size,
+                           max_model_len, blocks, block_size, device, spare_blocks=spare_blocks)
