@@ -28,6 +28,10 @@ default this interpreter); skipped with a message when that interpreter has no v
 prints their ratios against vLLM, bfloat16 against our own float32, the CPU's flags, a breakdown
 of our step in each dtype, and the matmul FLOP/s our best run achieved against the peak measured
 here with torch (the linear layers' FLOPs from the model's shapes; attention's are left out).
+
+Every torch computation of this process runs on the engine's compute thread
+(``workers.compute_thread``), the references' too: a second thread running torch ops would slow
+every later op of the engine on CPU (a second OpenMP team), whichever ran first.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
+from workers.compute_thread import compute_thread  # noqa: E402
 from workers.tiny import ensure_tiny_model  # noqa: E402
 
 BATCH = 64
@@ -126,9 +131,10 @@ def repetitive_workload(n: int, vocab: int, seed: int = 1) -> list[tuple[list[in
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
                   batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local",
                   decode_attention: str = "auto", max_model_len: int = 256,
-                  breakdown: dict | None = None, async_scheduling: bool = True) -> tuple[int, float]:
+                  breakdown: dict | None = None, async_scheduling: bool | None = None) -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
-    with every core, the coordinator in its own actor)."""
+    with every core, the coordinator in its own actor). ``async_scheduling``: None for the engine's
+    default (the synchronous step on CPU)."""
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                   "decode_attention": decode_attention},
@@ -372,7 +378,7 @@ def matrix(args, model_dir_of, max_len: int) -> None:
         tokens, seconds = run_raysample(model_dir, jobs, "greedy", 0, dtype, max_model_len=max_len, breakdown=parts)
         print(f"{dtype:>8} greedy step breakdown ({tokens / seconds:.0f} tokens/s with timing hooks): "
               + ", ".join(f"{name} {share:.1%}" for name, share in parts.items()), flush=True)
-        peak = matmul_peak(model_dir, dtype)
+        peak = compute_thread().run(matmul_peak, model_dir, dtype)  # see below: on the engine's thread
         print(f"{dtype:>8}: linear layers at {achieved[dtype]:.0f} GFLOP/s in our best run = "
               f"{achieved[dtype] / peak:.0%} of the {peak:.0f} GFLOP/s matmul peak measured here", flush=True)
     for kind in ("greedy", "random"):
@@ -501,7 +507,7 @@ def main() -> None:
         return
     ours_tokens, ours_s = run_raysample(model_dir, jobs, args.sampling, 0, args.dtype, engine_kind=args.engine,
                                         max_model_len=max_len)
-    ref_tokens, ref_s = run_transformers(model_dir, jobs, args.sampling, args.dtype)
+    ref_tokens, ref_s = compute_thread().run(run_transformers, model_dir, jobs, args.sampling, args.dtype)
     ours, ref = ours_tokens / ours_s, ref_tokens / ref_s
     print(f"raysample engine       {ours_tokens:>7} tokens in {ours_s:6.1f} s = {ours:7.0f} tokens/s")
     print(f"transformers generate  {ref_tokens:>7} tokens in {ref_s:6.1f} s = {ref:7.0f} tokens/s")

@@ -3,7 +3,8 @@
 The step runs on a thread of its own, so a call that never returns (a processor
 stuck for one request) ends the wait after ``cluster.call_timeout_s`` as it does on
 Ray. A Python thread cannot be killed: the stuck one is abandoned with the worker it
-holds, and told not to touch any other worker when it wakes.
+holds, and told not to touch any other worker when it wakes; so is the compute thread
+(``workers.compute_thread``) the stuck call may hold, and replacements load on a new one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from cluster.executor import Executor, StepFailure, StepRaised, WorkersLost
+from workers.compute_thread import abandon_compute_thread
 from workers.sampler import LogitsProcessorError
 from workers.wire import StepPlan, StepResult
 from workers.worker import Worker
@@ -64,6 +66,7 @@ class InProcessExecutor(Executor):
             self._cancelled.set()
             self._pool.shutdown(wait=False)
             self._new_thread()
+            abandon_compute_thread()
             return WorkersLost([hung], f"hung (no answer in {self.timeout_s:.0f}s)")
         except Exception as exc:  # a processor, the sampler or the model raised
             if isinstance(exc, LogitsProcessorError):

@@ -2,8 +2,8 @@
 
 Right after sampling step N a worker knows what most of its rows feed next: a decoding row
 feeds the token it just sampled at the next position, into a block it already holds. It
-launches that forward at once, on a thread of its own (a GPU's stream, or the CPU cores the
-step loop leaves idle), and returns step N's tokens. A row whose next token opens a new KV
+launches that forward at once, on the process's compute thread (``workers.compute_thread``: a
+GPU's stream, or the CPU cores the step loop leaves idle), and returns step N's tokens. A row whose next token opens a new KV
 block writes it into a spare block (beyond the budget, the runner's ``spare_blocks``), copied
 into the block the plan names once it arrives. While it runs, the coordinator accepts
 step N and plans N+1, and the worker applies plan N+1 to its replicas; then the plan's rows
@@ -13,19 +13,20 @@ chunks, drafts) run in a second forward. A finished row's extra forward is simpl
 it is never sampled, so processors see exactly the BatchUpdates and tokens of the
 synchronous step.
 
-A forward never overlaps another on the same KV cache: the in-step forward runs on the
-calling thread once the one launched ahead (even a discarded one) has ended.
+A forward never overlaps another on the same KV cache: every forward runs on the compute
+thread, one after another, the in-step one after the one launched ahead (even a discarded one).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from workers.compute_thread import compute_thread
 from workers.row_work import RowWork
 
 
@@ -60,11 +61,10 @@ class Logits:
 
 
 class Forwards:
-    """Runs a worker's forwards on one thread; holds at most one launched ahead."""
+    """Runs a worker's forwards on the compute thread; holds at most one launched ahead."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-forward")
         self._guess: Guess | None = None
         self._launched: Future | None = None  # the last forward started on the thread
         self._spares = set(getattr(runner, "spare_blocks", ()))
@@ -81,7 +81,7 @@ class Forwards:
         """Start the guessed next forward; returns at once."""
         self._guess = None
         if work:
-            self._launched = self._thread.submit(self._run, work)
+            self._launched = compute_thread().submit(self._run, work)
             self._guess = Guess(request_ids, work, self._launched)
 
     def discard(self) -> None:
@@ -95,7 +95,7 @@ class Forwards:
             except Exception:  # a discarded guess's failure is nobody's
                 pass
             self._launched = None
-        return self._run(work)
+        return compute_thread().run(self._run, work)
 
     def forward(self, request_ids: list[str], work: list[RowWork]) -> Logits:
         """Logits for ``work`` (rows in order), from the guess where it matches."""
@@ -117,7 +117,7 @@ class Forwards:
                 spares.append(guessed.block_table[-1])
                 targets.append(row.block_table[len(guessed.block_table) - 1])
         if spares:  # the plan named their blocks: move the tokens written into spares there
-            self.runner.copy_blocks(spares, targets)
+            compute_thread().run(self.runner.copy_blocks, spares, targets)
         used = sum(at is not None for at in taken)
         result = Logits(ahead.logits, ahead_rows=used, wasted_rows=len(guess.work) - used,
                         ahead_s=ahead.modelled_s)
@@ -144,7 +144,6 @@ class Forwards:
 
     def shutdown(self) -> None:
         self._guess = None
-        self._thread.shutdown(wait=False)
 
 
 def _same_work(guessed: RowWork, planned: RowWork, spare: int | None) -> bool:

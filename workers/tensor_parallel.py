@@ -126,8 +126,8 @@ class Followers(Protocol):
 class LeadRunner:
     """The lead rank's model runner: each forward and block copy runs on every rank of the group.
 
-    Forwards may come from two threads (the pipelined step's forward launched ahead, and the
-    step's own); a lock keeps the order the followers receive them the order the lead runs them."""
+    Forwards run on the compute thread (``workers.compute_thread``); should one come from another
+    thread, a lock keeps the order the followers receive them the order the lead runs them."""
 
     def __init__(self, runner: Any, followers: Followers) -> None:
         self.runner = runner

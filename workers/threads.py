@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from workers.compute_thread import set_compute_threads
+
 
 def usable_cores() -> int:
     try:
@@ -27,7 +29,8 @@ def threads_for_share(share: float | None = None) -> int:
 
 
 def set_cpu_threads(share: float | None = None) -> int:
-    """Set torch's intra-op threads from ``threads_for_share``; return them."""
+    """Set torch's intra-op threads from ``threads_for_share`` (here and on the compute thread); return them."""
     threads = threads_for_share(share)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # this thread's OpenMP team, and threads started from now on
+    set_compute_threads(threads)  # the compute thread, which may have started before
     return threads

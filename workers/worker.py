@@ -5,18 +5,23 @@ is identical everywhere; only the owner of a request keeps its KV cache, runs
 the model for it and samples it. With ``launch_ahead`` (the pipelined step,
 ``scheduler.async_scheduling``) the forward of the next step starts as soon as
 this one is sampled (``workers.ahead``), and applying the next plan overlaps it.
+
+The model is loaded, run and sampled on the process's compute thread (``workers.compute_thread``);
+the caller's thread applies plans.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 from workers.ahead import Forwards, guess_next
+from workers.compute_thread import compute_thread
 from workers.wire import StepPlan, StepResult, offsets_of
 from workers.mirror import BatchMirror
 from workers.model_runner import ModelRunner
@@ -43,13 +48,14 @@ class Worker:
         self.mirror = BatchMirror()
         self.launch_ahead = launch_ahead
         self.forwards = Forwards(runner)
+        self.device = torch.device(getattr(runner, "device", "cpu"))
 
     def reset(self) -> None:
         """Forget the batch (after another worker failed, everything is re-added)."""
         if self.make_sampler is None:
             raise RuntimeError("this worker cannot rebuild its sampler")
         self.forwards.discard()
-        self.sampler = self.make_sampler()
+        self.sampler = compute_thread().run(self.make_sampler)
         self.mirror = BatchMirror()
 
     def shutdown(self) -> None:
@@ -60,7 +66,7 @@ class Worker:
                     followers: Followers | None = None) -> Worker:
         """Build from a ``RaysampleConfig`` (cluster.config). ``followers``: the other ranks of this
         worker's tensor-parallel group, which joined its process group with this one (the lead)."""
-        runner = build_runner(config, model_path, device)
+        runner = compute_thread().run(build_runner, config, model_path, device)
         if followers is not None:
             runner = LeadRunner(runner, followers)
         tokenizer = None
@@ -83,7 +89,8 @@ class Worker:
                 sampler.check_spec_decode_support()
             return sampler
 
-        return cls(worker_id, runner, make_sampler(), make_sampler, launch_ahead=pipelined(config, device))
+        return cls(worker_id, runner, compute_thread().run(make_sampler), make_sampler,
+                   launch_ahead=pipelined(config, device))
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
@@ -124,7 +131,24 @@ class Worker:
             samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), plan_s=plan_s)
         overlap_cpu = time.thread_time() - start_cpu
+        compute_cpu = 0.0
         if work:
+            compute_cpu = compute_thread().run(self._forward_and_sample, result, lo, hi, work, row_ids, samples,
+                                               drafts, overlap_cpu)
+        caller_cpu = time.thread_time()
+        if plan.audit:
+            result.row_digests = self.mirror.digests()
+            result.processor_digests = self.sampler.state_digests()
+        result.compute_s = time.perf_counter() - start_time
+        result.cpu_s = overlap_cpu + compute_cpu + time.thread_time() - caller_cpu
+        return result
+
+    def _forward_and_sample(self, result: StepResult, lo: int, hi: int, work: list[RowWork], row_ids: list[str],
+                            samples: list[bool], drafts: list[list[int]] | None, overlap_cpu: float) -> float:
+        """On the compute thread: this shard's logits, sampled into ``result``; returns its CPU seconds."""
+        start_cpu = time.thread_time()
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with torch.inference_mode(), on_device:
             got = self.forwards.forward(row_ids, work)
             logits = got.logits
             result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
@@ -150,12 +174,7 @@ class Worker:
                 errors = {row - lo for row in result.errors}
                 self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
                                                        self.runner.max_model_len, self.runner.spare_blocks))
-        if plan.audit:
-            result.row_digests = self.mirror.digests()
-            result.processor_digests = self.sampler.state_digests()
-        result.compute_s = time.perf_counter() - start_time
-        result.cpu_s = time.thread_time() - start_cpu
-        return result
+        return time.thread_time() - start_cpu
 
 
 def pipelined(config: Any, device: torch.device | str) -> bool:
