@@ -32,9 +32,11 @@ def top_k_threshold(logits: torch.Tensor, k: np.ndarray) -> torch.Tensor:
     return kth.masked_fill_(off, float("-inf"))
 
 
-def top_p_threshold(logits: torch.Tensor, p: np.ndarray, first: int = FIRST_TOP_P_CANDIDATES) -> torch.Tensor:
+def top_p_threshold(logits: torch.Tensor, p: np.ndarray, first: int = FIRST_TOP_P_CANDIDATES,
+                    first_values: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, 1) smallest logit kept by top-p: tokens are kept while the mass of the
-    tokens ranked above them is below p (so at least the top token survives)."""
+    tokens ranked above them is below p (so at least the top token survives).
+    ``first_values``: each row's ``first`` largest logits, descending, where the caller has them."""
     rows, vocab = logits.shape
     device = logits.device
     log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -43,8 +45,11 @@ def top_p_threshold(logits: torch.Tensor, p: np.ndarray, first: int = FIRST_TOP_
     pending = torch.arange(rows, device=device)
     m = min(vocab, first)
     while pending.numel():
-        sub = logits.index_select(0, pending)
-        values = sub.topk(m, dim=-1, sorted=True).values  # (pending, m), descending
+        if first_values is not None and m == min(vocab, first):
+            values = first_values  # (rows, m), descending: every row is pending in the first round
+        else:
+            sub = logits if pending.numel() == rows else logits.index_select(0, pending)
+            values = sub.topk(m, dim=-1, sorted=True).values  # (pending, m), descending
         probs = (values - log_norm[pending]).exp_()
         mass_above = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
         kept = (mass_above < p_t[pending]).sum(dim=-1, keepdim=True)  # >= 1
@@ -110,7 +115,11 @@ class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
                 idx = torch.from_numpy(in_window).to(device)
                 kept = values[idx].masked_fill(values[idx] < kth[idx], float("-inf"))
                 threshold[idx] = torch.maximum(threshold[idx], _nucleus_in_window(kept, p[in_window]))
-            if outside.size:
+            if outside.size and not (k[outside] > 0).any() and outside.size == logits.shape[0]:
+                # Top-p alone on every row: nothing is cut before it, and the window holds the
+                # candidates its first round looks at (the same values, so the same threshold).
+                threshold = top_p_threshold(logits, p, first=window, first_values=values)
+            elif outside.size:
                 idx = torch.from_numpy(outside).to(device)
                 sub = logits[idx].masked_fill_(logits[idx] < threshold[idx], float("-inf"))
                 threshold[idx] = torch.maximum(threshold[idx], top_p_threshold(sub, p[outside]))

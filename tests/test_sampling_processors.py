@@ -151,3 +151,29 @@ def test_bad_words_must_be_tokenized_first():
     batch.update([], [BatchEntry("a", SamplingParams(bad_words=["x"]), [1], [])])
     with pytest.raises(ValueError, match="not tokenized"):
         proc.update_state(batch.take_update())
+
+
+def test_top_p_alone_on_every_row_matches_the_reference_and_the_mixed_batch():
+    """Every row top-p only takes a shorter path (its first window reused, no masked copy): the same
+    result as the reference, and as the same rows beside a top-k row (the general path)."""
+    vocab = 5000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    logits[0] = 0.0  # flat: the nucleus widens past the first window
+    logits[1, 7] = 30.0  # peaked
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5), SamplingParams(top_p=0.95)]
+
+    def filtered(all_params):
+        proc = TopKTopPLogitsProcessor(engine_config(len(all_params)), torch.device("cpu"), False)
+        batch = PersistentBatch(len(all_params))
+        batch.update([], [BatchEntry(f"r{i}", p, [1], []) for i, p in enumerate(all_params)])
+        proc.update_state(batch.take_update())
+        rows = torch.cat([logits, torch.randn(len(all_params) - 3, vocab)]) if len(all_params) > 3 else logits
+        return proc.apply(rows.clone())[:3]
+
+    alone = filtered(params)
+    beside_top_k = filtered(params + [SamplingParams(top_k=5)])
+    assert torch.equal(alone, beside_top_k)
+    for row, p, got in zip(logits, params, alone):
+        want = reference_top_k_top_p(row, p)
+        assert torch.equal(got.isinf(), want.isinf()) and torch.allclose(got, want)
+    assert int(torch.isfinite(alone[0]).sum()) == vocab and int(torch.isfinite(alone[1]).sum()) == 1
