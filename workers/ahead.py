@@ -34,6 +34,7 @@ from workers.row_work import RowWork
 class ForwardDone:
     logits: torch.Tensor
     modelled_s: float  # a simulated runner's modelled compute (0 for a real model)
+    device_cpu_s: float = 0.0  # of it, the CPU a simulated runner spent making the logits
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Logits:
     wasted_rows: int = 0  # rows guessed but not in the plan as guessed (finished, preempted, moved away)
     ahead_s: float = 0.0  # a simulated runner's modelled compute of the forward launched ahead
     inline_s: float = 0.0  # and of the in-step forward
+    inline_device_cpu_s: float = 0.0  # the CPU a simulated runner spent on the device's work in the latter
 
 
 class Forwards:
@@ -72,10 +74,11 @@ class Forwards:
         self._device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
     def _run(self, work: list[RowWork]) -> ForwardDone:
-        modelled = getattr(self.runner, "simulated_s", 0.0)
+        modelled, device_cpu = getattr(self.runner, "simulated_s", 0.0), getattr(self.runner, "device_cpu_s", 0.0)
         with torch.inference_mode(), self._device:
             logits = self.runner.forward(work)
-        return ForwardDone(logits, getattr(self.runner, "simulated_s", 0.0) - modelled)
+        return ForwardDone(logits, getattr(self.runner, "simulated_s", 0.0) - modelled,
+                           getattr(self.runner, "device_cpu_s", 0.0) - device_cpu)
 
     def launch_ahead(self, request_ids: list[str], work: list[RowWork]) -> None:
         """Start the guessed next forward; returns at once."""
@@ -102,7 +105,7 @@ class Forwards:
         guess, self._guess = self._guess, None
         if guess is None:
             done = self._inline(work)
-            return Logits(done.logits, inline_s=done.modelled_s)
+            return Logits(done.logits, inline_s=done.modelled_s, inline_device_cpu_s=done.device_cpu_s)
         ahead = guess.future.result()
         self._launched = None
         taken = [guess.index.get(rid) for rid in request_ids]
@@ -134,7 +137,7 @@ class Forwards:
                 next_inline += row.num_logits
         result.logits = torch.cat(parts) if parts else ahead.logits[:0]
         if inline is not None:
-            result.inline_s = inline.modelled_s
+            result.inline_s, result.inline_device_cpu_s = inline.modelled_s, inline.device_cpu_s
         return result
 
     def spare_of(self, guessed: RowWork) -> int | None:

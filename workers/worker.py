@@ -153,6 +153,7 @@ class Worker:
             logits = got.logits
             result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
             result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
+            device_cpu = got.inline_device_cpu_s  # a simulated device's work: in simulated_s, not host CPU
             if got.ahead_rows or got.wasted_rows:
                 result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
             sample_start = time.perf_counter()
@@ -174,7 +175,7 @@ class Worker:
                 errors = {row - lo for row in result.errors}
                 self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
                                                        self.runner.max_model_len, self.runner.spare_blocks))
-        return time.thread_time() - start_cpu
+        return time.thread_time() - start_cpu - device_cpu
 
 
 def pipelined(config: Any, device: torch.device | str) -> bool:
