@@ -12,18 +12,17 @@ measured in the same run; prints tokens/s and the ratio for each layout.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import run_raysample, sampling_kwargs, workload  # noqa: E402
 from processors import SamplingParams  # noqa: E402
-from workers.threads import usable_cores  # noqa: E402
+from workers.threads import set_cpu_threads, usable_cores  # noqa: E402
 from workers.tiny import ensure_tiny_model  # noqa: E402
 
 
@@ -52,10 +51,13 @@ def main() -> None:
     cores = usable_cores()
     results = {}
     for threads in (cores, 1):
-        torch.set_num_threads(threads)
+        # The in-process engine takes every usable core unless OMP_NUM_THREADS says otherwise.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        set_cpu_threads(threads)  # here and on the compute thread, which runs the engine's model
         tokens, seconds = run_raysample(model_dir, jobs, "greedy", 0, "float32")
         results[f"in-process, {threads} thread(s)"] = tokens / seconds
-    torch.set_num_threads(cores)
+    del os.environ["OMP_NUM_THREADS"]
+    set_cpu_threads(cores)
     results[f"Ray, 1 worker x {cores} CPU"] = run_ray(model_dir, jobs, 1, float(cores))
     if cores > 1:  # the coordinator's process keeps a core of its own
         results["Ray, 1 worker x 1 CPU"] = run_ray(model_dir, jobs, 1, 1.0)
