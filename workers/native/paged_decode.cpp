@@ -46,6 +46,26 @@ inline void store(uint16_t* into, float value) {  // round to nearest even, as t
   *into = static_cast<uint16_t>(word >> 16);
 }
 
+// exp(x) for x <= 0 as a loop of plain arithmetic, so that the softmax's loop vectorizes (a call
+// to std::exp does not): x = k ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
+// (Cephes' expf coefficients), 2^k by the exponent bits. Within 2 ulp of std::exp; 0 below the
+// smallest normal float's logarithm, where std::exp would give a denormal or 0.
+inline float exp_nonpositive(float x) {
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;  // ln2 in two parts (Cody-Waite)
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return x < -87.33654475f ? 0.0f : p * scale;
+}
+
 // Hardware prefetchers stop at 4 KiB pages, and one token's key is a few cache lines: fetch the
 // keys `kAhead` tokens on (within the block) while this one is used, and the next block's start.
 constexpr int64_t kAhead = 16;
@@ -107,12 +127,20 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
       for (int64_t d = 0; d < dim; ++d) queries[(i * groups + g) * dim + d] = to_float(query[d]);
     }
 
+  std::vector<float> key_row(dim);  // a bfloat16 key (then value) widened once
   for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
+    const float* widened = key_row.data();
+    if constexpr (sizeof(T) == 2) {  // widen once, for every query slot
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) key_row[d] = to_float(key[d]);
+    } else {
+      widened = key;
+    }
     for (int64_t w = 0; w < width; ++w) {
       const float* query = &queries[w * dim];
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += query[d] * to_float(key[d]);
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * widened[d];
       scores[w * length + (t - first)] = rounded ? round_bf16(dot) : dot;
     }
   });
@@ -132,8 +160,9 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
       const float sink = sinks ? sinks[h * groups + g] : -std::numeric_limits<float>::infinity();
       top = std::max(top, sink);
       float total = sinks ? std::exp(sink - top) : 0.0f;
+#pragma omp simd reduction(+ : total)
       for (int64_t t = lo; t < hi; ++t) {
-        row[t] = std::exp(row[t] - top);
+        row[t] = exp_nonpositive(row[t] - top);
         total += row[t];
       }
       const float inverse = 1.0f / total;
@@ -144,12 +173,19 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
   }
 
   for_each_key(v_pool, s, table, h, first, max_pos, [&](int64_t t, const T* value) {
+    const float* widened = key_row.data();
+    if constexpr (sizeof(T) == 2) {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) key_row[d] = to_float(value[d]);
+    } else {
+      widened = value;
+    }
     for (int64_t w = 0; w < width; ++w) {
       const float p = scores[w * length + (t - first)];
       if (p == 0.0f) continue;
       float* into = &acc[w * dim];
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) into[d] += p * to_float(value[d]);
+      for (int64_t d = 0; d < dim; ++d) into[d] += p * widened[d];
     }
   });
   for (int64_t i = 0; i < nq; ++i)
