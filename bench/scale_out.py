@@ -216,7 +216,11 @@ def plot(runs: list[Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    many = [r for r in runs if r.total_workers == TOTAL_WORKERS and not r.compiled and r.engines > 1]
+    if many:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    else:  # no runs split into engines: the one-engine curves alone
+        fig, left = plt.subplots(1, 1, figsize=(6, 4.2))
     for pipelined, mark in ((False, "o"), (True, "s")):
         one = [r for r in runs if r.engines == 1 and not r.compiled and r.pipelined == pipelined]
         if not one:
@@ -234,18 +238,18 @@ def plot(runs: list[Run], path: Path) -> None:
     left.set(xlabel="simulated H100 workers in one engine", ylabel="tokens/s", title="One engine",
              xscale="log", yscale="log")
     left.legend(fontsize=7)
-    many = [r for r in runs if r.total_workers == TOTAL_WORKERS and not r.compiled and r.engines > 1]
-    labels = [f"{r.engines}x{r.workers}{' p' if r.pipelined else ''}" for r in many]
-    at = range(len(many))
-    right.bar([i - 0.2 for i in at],
-              [r.own_core_rate() / (base_of(runs, r).own_core_rate() * 16) for r in many], 0.4, label="own core")
-    right.bar([i + 0.2 for i in at], [r.rate() / (base_of(runs, r).rate() * 16) for r in many], 0.4,
-              label="as measured")
-    right.axhline(1.0, color="k", linestyle="--", linewidth=1)
-    right.set_xticks(list(at), labels)
-    right.set(xlabel="engines x workers (16 workers; p: pipelined)", ylabel="fraction of linear",
-              title="16 workers", ylim=(0, 1.1))
-    right.legend(fontsize=8)
+    if many:
+        labels = [f"{r.engines}x{r.workers}{' p' if r.pipelined else ''}" for r in many]
+        at = range(len(many))
+        right.bar([i - 0.2 for i in at],
+                  [r.own_core_rate() / (base_of(runs, r).own_core_rate() * 16) for r in many], 0.4, label="own core")
+        right.bar([i + 0.2 for i in at], [r.rate() / (base_of(runs, r).rate() * 16) for r in many], 0.4,
+                  label="as measured")
+        right.axhline(1.0, color="k", linestyle="--", linewidth=1)
+        right.set_xticks(list(at), labels)
+        right.set(xlabel="engines x workers (16 workers; p: pipelined)", ylabel="fraction of linear",
+                  title="16 workers", ylim=(0, 1.1))
+        right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nplot: {path}")
