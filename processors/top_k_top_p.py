@@ -115,7 +115,7 @@ class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
                 idx = torch.from_numpy(in_window).to(device)
                 kept = values[idx].masked_fill(values[idx] < kth[idx], float("-inf"))
                 threshold[idx] = torch.maximum(threshold[idx], _nucleus_in_window(kept, p[in_window]))
-            if outside.size and not (k[outside] > 0).any() and outside.size == logits.shape[0]:
+            if outside.size == len(k) and not (k > 0).any():
                 # Top-p alone on every row: nothing is cut before it, and the window holds the
                 # candidates its first round looks at (the same values, so the same threshold).
                 threshold = top_p_threshold(logits, p, first=window, first_values=values)

@@ -2,10 +2,10 @@
 
 Right after sampling step N a worker knows what most of its rows feed next: a decoding row
 feeds the token it just sampled at the next position, into a block it already holds. It
-launches that forward at once, on the process's compute thread (``workers.compute_thread``: a
-GPU's stream, or the CPU cores the step loop leaves idle), and returns step N's tokens. A row whose next token opens a new KV
-block writes it into a spare block (beyond the budget, the runner's ``spare_blocks``), copied
-into the block the plan names once it arrives. While it runs, the coordinator accepts
+launches that forward at once, on the process's compute thread (``workers.compute_thread``:
+a GPU's stream, or the CPU cores the step loop leaves idle), and returns step N's tokens. A
+row whose next token opens a new KV block writes it into a spare block (beyond the budget,
+the runner's ``spare_blocks``), copied into the block the plan names once it arrives. While it runs, the coordinator accepts
 step N and plans N+1, and the worker applies plan N+1 to its replicas; then the plan's rows
 are matched against the guess, row by row (same request, position, token and blocks). Rows
 that match take the logits already computed; the others (admitted, preempted, prefill
@@ -70,12 +70,15 @@ class Forwards:
         self._guess: Guess | None = None
         self._launched: Future | None = None  # the last forward started on the thread
         self._spares = set(getattr(runner, "spare_blocks", ()))
-        device = torch.device(getattr(runner, "device", "cpu"))
-        self._device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        self.device = torch.device(getattr(runner, "device", "cpu"))
+
+    def on_device(self) -> Any:
+        """A context that makes the runner's GPU current (the compute thread serves every worker)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def _run(self, work: list[RowWork]) -> ForwardDone:
         modelled, device_cpu = getattr(self.runner, "simulated_s", 0.0), getattr(self.runner, "device_cpu_s", 0.0)
-        with torch.inference_mode(), self._device:
+        with torch.inference_mode(), self.on_device():
             logits = self.runner.forward(work)
         return ForwardDone(logits, getattr(self.runner, "simulated_s", 0.0) - modelled,
                            getattr(self.runner, "device_cpu_s", 0.0) - device_cpu)

@@ -94,10 +94,6 @@ def compute_thread() -> ComputeThread:
         return _current
 
 
-def run_on_compute_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    return compute_thread().run(fn, *args, **kwargs)
-
-
 def abandon_compute_thread() -> None:
     """After a job hung: the next ``compute_thread()`` is a new thread."""
     global _current

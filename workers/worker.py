@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,6 @@ class Worker:
         self.mirror = BatchMirror()
         self.launch_ahead = launch_ahead
         self.forwards = Forwards(runner)
-        self.device = torch.device(getattr(runner, "device", "cpu"))
 
     def reset(self) -> None:
         """Forget the batch (after another worker failed, everything is re-added)."""
@@ -147,8 +145,7 @@ class Worker:
                             samples: list[bool], drafts: list[list[int]] | None, overlap_cpu: float) -> float:
         """On the compute thread: this shard's logits, sampled into ``result``; returns its CPU seconds."""
         start_cpu = time.thread_time()
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
-        with torch.inference_mode(), on_device:
+        with torch.inference_mode(), self.forwards.on_device():
             got = self.forwards.forward(row_ids, work)
             logits = got.logits
             result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
