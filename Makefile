@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m workers.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
 	touch $(STAMP)
 
+# PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q
 
 # The main job on the embedded default: the real chat model (SmolLM2-135M-Instruct), 2 CPU workers on a private Ray instance.
 run: $(STAMP)

@@ -90,3 +90,19 @@ def test_an_engine_loads_runs_and_samples_its_model_on_the_compute_thread(monkey
         assert engine.stats()["ahead_rows"] > 0
     engine.shutdown()
     assert seen == {"load": {"raysample-compute"}, "forward": {"raysample-compute"}, "sample": {"raysample-compute"}}
+
+
+def test_at_exit_queued_work_ends_first_the_thread_stays_idle_and_no_new_thread_starts(monkeypatch):
+    """Exit drains the thread rather than ending it (a thread ending frees its OpenMP team in a
+    destructor that would race the process's own), and model work asked for after that is refused."""
+    thread = ct.compute_thread()
+    gate = threading.Event()
+    slow = thread.submit(lambda: gate.wait(10) and "done")
+    threading.Timer(0.2, gate.set).start()
+    thread.drain(timeout_s=10)
+    assert slow.done() and slow.result() == "done"
+    assert thread._thread.is_alive() and thread.run(lambda: 1) == 1
+    monkeypatch.setattr(ct, "_current", None)
+    monkeypatch.setattr(ct, "_exiting", True)
+    with pytest.raises(RuntimeError, match="exiting"):
+        ct.compute_thread()

@@ -27,6 +27,7 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _current: ComputeThread | None = None
+_exiting = False  # set at interpreter exit: no new thread starts after it
 _threads: int | None = None  # intra-op threads the compute thread runs with (workers.threads)
 
 
@@ -49,10 +50,12 @@ class ComputeThread:
             return fn(*args, **kwargs)
         return self.submit(fn, *args, **kwargs).result()
 
-    def finish(self, timeout_s: float) -> None:
-        """Run the jobs already given, then end; wait up to ``timeout_s`` for that."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+    def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the jobs already given to end; the thread stays, idle."""
+        try:
+            self.submit(lambda: None).result(timeout_s)
+        except Exception:  # noqa: BLE001 - timed out or cancelled: nothing more to wait for
+            pass
 
     def abandon(self) -> None:
         """Run nothing more: jobs still queued are cancelled once the current one ends."""
@@ -90,6 +93,8 @@ def compute_thread() -> ComputeThread:
     global _current
     with _lock:
         if _current is None:
+            if _exiting:
+                raise RuntimeError("the process is exiting: no model work starts now")
             _current = ComputeThread()
         return _current
 
@@ -104,14 +109,16 @@ def abandon_compute_thread() -> None:
 
 
 @atexit.register
-def _finish_at_exit() -> None:
-    """A forward launched ahead may still run at exit: native code running on while the interpreter
-    tears down aborts the process, so let it end first (a hung job is not waited for long)."""
-    global _current
+def _drain_at_exit() -> None:
+    """A forward launched ahead may still run at exit, and native code running on while the interpreter
+    tears down aborts the process: let the queued work end first (a hung job is not waited for long).
+    The thread is left idle, not ended: a thread ending frees its OpenMP team in a thread-exit
+    destructor, which would race the process's own exit-time destructors."""
+    global _exiting
     with _lock:
-        current, _current = _current, None
+        _exiting, current = True, _current
     if current is not None:
-        current.finish(timeout_s=30.0)
+        current.drain(timeout_s=30.0)
 
 
 def set_compute_threads(threads: int) -> None:
