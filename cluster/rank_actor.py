@@ -6,6 +6,7 @@ from typing import Any
 
 import ray
 
+from cluster.startup_heap import freeze_startup_heap
 from workers.row_work import RowWork
 from workers.wire import TensorRank
 
@@ -46,12 +47,16 @@ class RankActor:
         if loaded.model.simulate is None:  # simulated ranks only sleep: no collectives to meet
             join_group(rank, device, loaded.cluster.startup_timeout_s)  # meets the lead and the other ranks
         self.runner = build_runner(loaded, model_path, device)
+        freeze_startup_heap()  # this actor's process is the engine's own
 
     def ready(self) -> bool:
         return True
 
     def forward(self, rows: list[RowWork]) -> None:
         self.runner.forward(rows)  # every rank gets the whole logits; the lead samples them
+        wait_ready = getattr(self.runner, "wait_ready", None)
+        if wait_ready is not None:  # a simulated rank: its step ends when modelled
+            wait_ready()
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         self.runner.copy_blocks(sources, targets)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.config import ConfigError, load_config
 from cluster.local_engine import LocalEngine
 from processors import SamplingParams
 from workers.row_work import RowWork
+from workers.sampler import Sampler
 from workers.simulated_runner import PRESETS, ComputeModel, SimulatedRunner
 
 PROMPTS = ["Hello there", "The quick brown fox", "a b c d e f", "Numbers: 1 2 3"]
@@ -37,12 +40,43 @@ def test_the_runner_takes_the_modelled_time_and_its_logits_depend_only_on_the_ro
     slept = []
     runner = SimulatedRunner(ComputeModel(0.004, 0.001), vocab_size=64, max_model_len=32, num_blocks=8,
                              sleep=slept.append)
+    before = time.perf_counter()
     a = runner.forward([RowWork([0], [5, 6, 7], 0, 2), RowWork([1], [9], 4, 1)])
-    # Making the logits is the device's work: it takes part of the modelled time, the rest is slept.
-    assert len(slept) == 1 and 0 < slept[0] <= 0.004 + 4 * 0.001 and a.shape == (3, 64)
+    # A launch returns at once with the logits (making them is the device's work, within the
+    # modelled time); reading the step's results waits for what is left of it.
+    assert slept == [] and a.shape == (3, 64)
+    assert before + 0.008 <= runner.ready_at <= time.perf_counter() + 0.008
+    runner.wait_ready()
+    assert len(slept) == 1 and 0 < slept[0] <= 0.008
     assert runner.simulated_s == pytest.approx(0.008) and 0 < runner.device_cpu_s < 0.008
+    first_end = runner.ready_at
     b = runner.forward([RowWork([3], [9], 4, 1)])  # the same last token at the same position, alone
     assert (a[2] == b[0]).all() and not (a[0] == a[1]).all()
+    assert runner.ready_at >= first_end + 0.005  # the device runs one step after the other (none was slept)
+
+
+def test_a_simulated_worker_samples_within_the_modelled_step_then_waits_for_its_end(monkeypatch):
+    """The sampler's work on simulated logits is the device's (a GPU samples on the device): each
+    step samples before the worker waits for the modelled step to end, and only then are its
+    tokens read (returned, or fed to the forward launched ahead)."""
+    events = []
+    sample = Sampler.__call__
+    monkeypatch.setattr(Sampler, "__call__", lambda *a, **k: events.append("sample") or sample(*a, **k))
+    for pipelined in (False, True):
+        config = simulated(1)
+        config["scheduler"]["async_scheduling"] = pipelined
+        engine = LocalEngine(config)
+        runner = engine.workers[0].runner
+        assert isinstance(engine.workers[0].sampler, Sampler)
+        events.clear()
+        wait_ready, forward = runner.wait_ready, runner.forward
+        runner.wait_ready = lambda wait_ready=wait_ready: events.append("wait") or wait_ready()
+        runner.forward = lambda rows, forward=forward: events.append("forward") or forward(rows)
+        outs = engine.generate(PROMPTS, params())
+        assert all(len(c.token_ids) == 12 for o in outs for c in o.outputs)
+        steps = "".join(e[0] for e in events)  # f(orward), s(ample), w(ait)
+        assert steps.count("s") == steps.count("w") > 10 and "ss" not in steps and "ww" not in steps
+        assert all(steps[i + 1] == "w" for i, e in enumerate(steps) if e == "s")
 
 
 def test_tokens_do_not_depend_on_the_number_of_workers():

@@ -4,11 +4,17 @@ Each ``forward`` takes a modelled compute time (a fixed part per step plus a par
 token fed) and returns logits that are a pure function of each row's last token and
 position (the counter-based hash the sampler uses), so the real sampler, processors and
 coordinator run on them and a request's tokens do not depend on which worker, or how many,
-ran it. Sleeping takes no CPU: many such workers on Ray actors show what the coordinator,
-Ray and the lockstep cost when the compute is on GPUs. Making the logits (hashing every
-vocabulary entry of every row: ~4 ms of CPU for 64 rows of 8k) is the device's work, so it
-happens within the modelled time, as a GPU's logits are ready when its step ends; its CPU is
-counted apart (``device_cpu_s``), not as the worker's host CPU.
+ran it. Waiting takes no CPU: many such workers on Ray actors show what the coordinator,
+Ray and the lockstep cost when the compute is on GPUs.
+
+As on a GPU, a launch returns at once and only reading the result waits: ``forward`` returns
+the logits as soon as they are made and the modelled step ends at ``ready_at``, which
+``wait_ready`` waits for (steps run one after another, as on one device). Making the logits
+(hashing every vocabulary entry of every row: ~4 ms of CPU for 64 rows of 8k) and sampling them
+are the device's work, as on a GPU the logits and the sampler's tensors live there: the worker
+samples before it waits, so both happen within the modelled time, and their CPU is counted
+apart (``device_cpu_s``), not as the worker's host CPU. The model adds no time for sampling
+itself (a GPU samples 64 rows in a fraction of a millisecond), nor for launching kernels.
 """
 
 from __future__ import annotations
@@ -81,22 +87,28 @@ class SimulatedRunner:
         self.device = torch.device(device)
         self.sleep = sleep
         self.simulated_s = 0.0  # modelled compute so far
-        self.device_cpu_s = 0.0  # of it, CPU spent making logits (the device's work, on the host here)
+        self.device_cpu_s = 0.0  # CPU spent on the device's work (making and sampling logits, on the host here)
+        self.ready_at = 0.0  # perf_counter time the last modelled step ends
         self._vocab = torch.arange(vocab_size, device=self.device)
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         """No KV to move: the logits depend only on each row's last token and position."""
 
     def forward(self, rows: Sequence[Any]) -> torch.Tensor:
-        """Logits for the last ``num_logits`` positions of each row, in row order."""
+        """Logits for the last ``num_logits`` positions of each row, in row order, at once; the
+        modelled step ends at ``ready_at``, after the one before it."""
         fed = sum(len(row.token_ids) for row in rows)
         seconds = self.compute.step_seconds(fed)
         self.simulated_s += seconds
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        self.ready_at = max(time.perf_counter(), self.ready_at) + seconds
+        start_cpu = time.thread_time()
         logits = self._logits(rows)
         self.device_cpu_s += time.thread_time() - start_cpu
-        self.sleep(max(0.0, seconds - (time.perf_counter() - start)))
         return logits
+
+    def wait_ready(self) -> None:
+        """Until the last modelled step ends: reading its results (the sampled tokens) waits for it."""
+        self.sleep(max(0.0, self.ready_at - time.perf_counter()))
 
     def _logits(self, rows: Sequence[Any]) -> torch.Tensor:
         last_tokens, positions = [], []

@@ -153,7 +153,7 @@ class Worker:
             device_cpu = got.inline_device_cpu_s  # a simulated device's work: in simulated_s, not host CPU
             if got.ahead_rows or got.wasted_rows:
                 result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
-            sample_start = time.perf_counter()
+            sample_start, sample_cpu = time.perf_counter(), time.thread_time()
             if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
@@ -167,6 +167,10 @@ class Worker:
                 result.errors = verified.errors
             passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
             result.sample_pass_s = (time.perf_counter() - sample_start) / passes
+            wait_ready = getattr(self.runner, "wait_ready", None)
+            if wait_ready is not None:  # a simulated device sampled within its modelled step: read when it ends
+                device_cpu += time.thread_time() - sample_cpu
+                wait_ready()
             if self.launch_ahead and drafts is None:
                 sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), samples)]
                 errors = {row - lo for row in result.errors}
