@@ -27,6 +27,7 @@ from cluster.engine_step import AllWorkersGone, StepDone
 from cluster.executor import WorkersLost
 from cluster.ray_executor import RayExecutor
 from cluster.ray_metrics import EngineRayMetrics
+from cluster.startup_heap import freeze_startup_heap
 from cluster.step_profile import StepProfile
 from coordinator.factory import coordinator_from_config, coordinator_inputs
 from coordinator.request import RequestOutput
@@ -77,6 +78,7 @@ class EngineCore:
         self.recoveries = 0
         self._stop = False
         self._started = time.monotonic()
+        freeze_startup_heap()  # this actor's process is the engine's own
         self._thread = threading.Thread(target=self._loop, name="raysample-step-loop", daemon=True)
         self._thread.start()
 

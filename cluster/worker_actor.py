@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from cluster.rank_actor import launch_followers, prepare_process
+from cluster.startup_heap import freeze_startup_heap
 from workers.row_work import RowWork
 from workers.tensor_parallel import TensorGroupLost
 from workers.wire import StepPlan, StepResult, TensorRank, WorkerInfo
@@ -100,6 +101,7 @@ class WorkerActor:
         if size > 1:
             loading.set()
         self.device = str(device)
+        freeze_startup_heap()  # this actor's process is the engine's own
 
     def ready(self) -> str:
         return self.device

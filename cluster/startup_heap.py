@@ -1,0 +1,22 @@
+"""Start-up objects out of the garbage collector's way, in the processes the engine owns.
+
+After imports, the tokenizer and the model, an engine process tracks some 400,000 objects, and
+every full (generation 2) collection walks all of them: about 0.1 s here, paid by whatever
+allocates at that moment. Measured on 16 simulated workers' coordinator: two such collections
+in each step that admits 1,024 requests, half of those steps' 0.3 s of CPU. ``gc.freeze`` moves
+what is alive now out of the collected generations (vLLM's engine does the same after start-up,
+``freeze_gc_heap``); what the run allocates is still collected as before. Only in the engine's
+own Ray actors: in a user's process it would freeze the user's objects as well.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> int:
+    """Collect what is garbage now (a frozen object is never collected), then freeze the rest;
+    returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
