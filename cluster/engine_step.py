@@ -57,6 +57,7 @@ def step(coordinator: Coordinator, executor: Executor, publish: Publish,
     if overlap_outputs:
         with lock:  # while the workers compute
             publish(coordinator.take_outputs())
+            coordinator.decode_ahead()
     overlapped_cpu = time.thread_time() - planned_cpu
     outcome = executor.collect(plan, pending)
     if not isinstance(outcome, list):

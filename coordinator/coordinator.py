@@ -438,6 +438,16 @@ class Coordinator:
         if request.slot is not None:
             self.scheduler.table.done[request.slot] = True
 
+    def decode_ahead(self) -> None:
+        """Bring running requests' text up to their tokens, while the workers compute. Without stop
+        strings, text is decoded only when an output is built: for final-only requests that finish
+        together that is one burst in one step (1,024 requests of 64 tokens: ~0.16 s); called each
+        step, the same decoding is spread over the steps and off their critical path."""
+        for row_id, detok in self.detokenizers.items():
+            request = self.rows.get(row_id)
+            if request is not None and not request.finished:
+                detok.catch_up(request.output_token_ids)
+
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs since the last call; a finished request's final output is delivered once, then forgotten."""
         return self.outputs.take()

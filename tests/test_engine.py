@@ -362,3 +362,34 @@ def test_vllm_prompt_dicts_are_accepted_as_vllm_takes_them(engine):
 def test_prompt_forms_we_do_not_take_are_refused_clearly(engine, prompts, message):
     with pytest.raises((ValueError, TypeError), match=message):
         engine.generate(prompts, SamplingParams(max_tokens=2))
+
+
+def test_text_decoded_ahead_while_workers_compute_is_the_text_decoded_at_the_end(engine, monkeypatch):
+    """With ``overlap_outputs`` (GPU or simulated workers) the step loop brings running requests'
+    text up to date while the workers compute (``Coordinator.decode_ahead``) instead of all at
+    once when they finish: the same text, multi-byte characters, stop strings and n > 1 included."""
+    import functools
+
+    import cluster.local_engine as local_engine
+    from coordinator.coordinator import Coordinator
+
+    prompts = ["Hello there", "café 🙂", "The quick"]
+    params = [SamplingParams(seed=5, max_tokens=24, ignore_eos=True),
+              SamplingParams(seed=6, max_tokens=40, stop=[" the"], ignore_eos=True),
+              SamplingParams(seed=7, max_tokens=17, n=2, ignore_eos=True)]
+    at_the_end = engine.generate(prompts, params)
+    advanced = []
+    decode_ahead = Coordinator.decode_ahead
+
+    def counted(self):
+        advanced.append(sum(d.consumed for d in self.detokenizers.values()))
+        decode_ahead(self)
+
+    monkeypatch.setattr(Coordinator, "decode_ahead", counted)
+    monkeypatch.setattr(local_engine.engine_step, "step",
+                        functools.partial(local_engine.engine_step.step, overlap_outputs=True))
+    ahead = engine.generate(prompts, params)
+    assert len(advanced) > 10 and max(advanced) > 0  # decoded while running, not only at the end
+    for want, got in zip(at_the_end, ahead):
+        assert [(c.text, c.token_ids, c.finish_reason) for c in got.outputs] == [
+            (c.text, c.token_ids, c.finish_reason) for c in want.outputs]
