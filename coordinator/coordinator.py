@@ -76,7 +76,9 @@ class Coordinator:
         self.acceptance = self.acceptance_type(tokenizer, self.scheduler, self.metrics, self.outputs,
                                                self.detokenizers, self._finished_row, self._drafts,
                                                self.draft_policy)
-        self._to_remove: list[str] = []  # rows to drop from the batch at the next plan
+        # Rows to drop from the batch at the next plan: the requests themselves, not their ids, as an
+        # id may be given to a new request before that plan (the old one's slot must still be released).
+        self._to_remove: list[Request] = []
         self._plan_slots: np.ndarray = EMPTY  # each row's slot in the last plan
         self._plan_started = 0.0
         self._last_schedule: StepSchedule | None = None
@@ -159,7 +161,7 @@ class Coordinator:
             if request.status == RequestStatus.WAITING:
                 self.scheduler.remove_waiting(request.request_id)
             else:
-                self._to_remove.append(request.request_id)
+                self._to_remove.append(request)
                 self._mark_done(request)
             request.finish(FinishReason.ABORT)
             self.acceptance.finalize_text(request)
@@ -304,15 +306,16 @@ class Coordinator:
         self._plan_started = time.perf_counter()
         self._forget_delivered()
         self._fail_bad_constraints()
-        finished = list(dict.fromkeys(self._to_remove))
+        leaving = list({id(r): r for r in self._to_remove}.values())
         self._to_remove = []
+        finished = [r.request_id for r in leaving]
         table = self.scheduler.table
         keep = np.ones(self.batch.num_reqs, dtype=bool)
-        for rid in finished:
-            keep[self.batch.row_of(rid)] = False
-            self.scheduler.release(self.rows[rid])
-            if self.draft_policy is not None and self.rows[rid].finished:
-                self.draft_policy.forget(rid)
+        for request in leaving:
+            keep[self.batch.row_of(request.request_id)] = False
+            self.scheduler.release(request)
+            if self.draft_policy is not None and request.finished:
+                self.draft_policy.forget(request.request_id)
         running = self.batch.row_slots()[keep]
         decision = self.scheduler.schedule(running, self._propose if self._drafts is not None else None)
         for request in decision.preempted:
@@ -430,7 +433,7 @@ class Coordinator:
         """A row finished this step: it leaves the batch at the next plan; its output is due."""
         self._mark_done(request)
         self._left(request)
-        self._to_remove.append(request.request_id)
+        self._to_remove.append(request)
         if request.group.finished or not request.group.final_only:
             self.outputs.due(request.group)
 

@@ -393,3 +393,16 @@ def test_text_decoded_ahead_while_workers_compute_is_the_text_decoded_at_the_end
     for want, got in zip(at_the_end, ahead):
         assert [(c.text, c.token_ids, c.finish_reason) for c in got.outputs] == [
             (c.text, c.token_ids, c.finish_reason) for c in want.outputs]
+
+
+def test_an_id_used_again_and_again_never_leaks_its_row(engine):
+    """A finished request leaves the batch at the next plan; an id given to a new request before that
+    plan must not hide the old one (its slot was never released: after max_num_seqs reuses nothing
+    could be admitted and the engine waited for ever). Unseeded, the id keys the sample: same output."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
+    outs = []
+    for k in range(3 * 6):  # three times the engine's max_num_seqs
+        ids = engine.submit_many(["Hello there" if k % 2 == 0 else "café"], params, ["again"], final_only=True)
+        outs.append(list(engine.results(ids)[ids[0]].outputs[0].token_ids))
+    assert all(o == outs[0] for o in outs[::2]) and all(o == outs[1] for o in outs[1::2])
+    assert sum(r is not None for r in engine.coordinator.scheduler.table.requests) <= 1
