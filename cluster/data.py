@@ -102,8 +102,11 @@ class EngineStage:
             batch = typed_like(pa.Table.from_pylist([self.preprocess(row) for row in batch.to_pylist()]), batch.schema)
         rows = batch.to_pylist()
         outputs: list[Row] = [{} for _ in rows]
-        submitted: list[tuple[int, str, Any, Any]] = []
-        taken: set[str] = set()
+        # Rows need not have distinct ids (a union of two sources, a file read twice) and batches are
+        # cut anywhere: a row whose id an earlier row of this batch has runs in a later round under
+        # that id, as it would in another batch, so no row's output depends on which rows share its batch.
+        rounds: list[list[tuple[int, str, Any, Any]]] = []
+        seen: dict[str, int] = {}
         for i, row in enumerate(rows):
             try:
                 rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
@@ -113,13 +116,11 @@ class EngineStage:
             except Exception as exc:  # noqa: BLE001 - one odd row must not fail the dataset
                 outputs[i] = {"error": f"{type(exc).__name__}: {exc}", "finish_reason": "error"}
                 continue
-            if rid in taken:
-                outputs[i] = {"error": f"duplicate id {row.get('id')!r}: an earlier row of this batch has it",
-                              "finish_reason": "error"}
-                continue
-            taken.add(rid)
-            submitted.append((i, rid, prompt, params))
-        if submitted:
+            k = seen[rid] = seen.get(rid, -1) + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append((i, rid, prompt, params))
+        for submitted in rounds:
             ids = self.engine.submit_many([s[2] for s in submitted], [s[3] for s in submitted],
                                           [s[1] for s in submitted], final_only=True)
             final = self.engine.results(ids)
