@@ -50,6 +50,7 @@ from processors.temperature import TemperatureLogitsProcessor
 from processors.thinking_budget import ThinkingBudgetStateHolder
 from processors.top_k_top_p import TopKTopPLogitsProcessor
 from workers.counter_rng import gumbel_argmax, stream_base
+from workers.row_argmax import row_max_argmax
 from workers.slot_processors import SlotProcessorFailure, SlotProcessorHost
 from workers.wire import TokenLogprobs
 
@@ -458,7 +459,7 @@ class Sampler:
                 tracker.check("(slot-keyed processors)", logits)
         if self.thinking is not None and self.thinking.has_tracked_requests():
             logits = self.thinking.apply_rows(logits, rows, num_drafts)
-        row_max, greedy_tokens = logits.max(dim=-1)
+        row_max, greedy_tokens = row_max_argmax(logits)
         if not self.all_greedy():
             bad = ~torch.isfinite(row_max)
             if bool(bad.any()):  # condemned rows: zeros, so min-p or top-p cannot trip over them
