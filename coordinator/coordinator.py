@@ -212,7 +212,7 @@ class Coordinator:
         had accepted before it, and the next plan re-adds it (prompt + those tokens
         are prefilled again) on a live worker. Returns how many were requeued.
         """
-        running = [self.rows[e.request_id] for e in self.batch.entries()]
+        running = self._batch_requests()
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove = []
         self.acceptance.take_last()
@@ -231,10 +231,20 @@ class Coordinator:
             group.owner, group.prompt_ready = None, False
         return len(requeue)
 
+    def _batch_requests(self) -> list[Request]:
+        """The batch's requests, in its order. A row that finished (or was aborted) and leaves at the
+        next plan is itself even where a new request has taken its id since: ``self.rows`` names the
+        new one, which is waiting, not in the batch."""
+        leaving = {r.request_id: r for r in self._to_remove}
+        return [leaving[e.request_id] if e.request_id in leaving else self.rows[e.request_id]
+                for e in self.batch.entries()]
+
     def fail_requests(self, request_ids: Sequence[str], message: str, retryable: bool = False) -> None:
         """Fail rows (by row id); their requests report the error."""
-        for row_id in request_ids:
-            request = self.rows[row_id]
+        self._fail([self.rows[row_id] for row_id in request_ids], message, retryable)
+
+    def _fail(self, requests: Sequence[Request], message: str, retryable: bool = False) -> None:
+        for request in requests:
             if not request.finished:
                 request.finish(FinishReason.ERROR, error=message, retryable=retryable)
                 self._mark_done(request)
@@ -247,12 +257,13 @@ class Coordinator:
         request of the step is a suspect (``Quarantine``). Everyone else is re-admitted with the
         tokens they have, exactly as after a worker failure. Workers must be reset. Returns the
         failed row ids."""
-        ids = self.batch.request_ids()
+        batch = self._batch_requests()
         if rows:
-            failed = [ids[r] for r in rows if 0 <= r < len(ids)]
-            self.fail_requests(failed, message)
+            convicted = [batch[r] for r in rows if 0 <= r < len(batch)]
+            self._fail(convicted, message)
+            failed = [r.request_id for r in convicted]
         else:
-            failed = self._suspected(ids, message)
+            failed = self._suspected(batch, message)
         self.requeue_running(alive_workers)
         return failed
 
@@ -262,21 +273,20 @@ class Coordinator:
         when it happened (finding a poison request: not the workers' own fault)."""
         probing = self.quarantine.active is not None
         table = self.scheduler.table
-        held = [e.request_id for e in self.batch.entries()
-                if int(table.owner[self.rows[e.request_id].slot]) in set(workers)]
+        held = [r for r in self._batch_requests() if int(table.owner[r.slot]) in set(workers)]
         self._suspected(held, f"a worker {cause}")
         self.requeue_running(alive_workers)
         return probing
 
-    def _suspected(self, row_ids: Sequence[str], cause: str) -> list[str]:
+    def _suspected(self, rows: Sequence[Request], cause: str) -> list[str]:
         """These rows were present at a failure no request explains; fail the requests the
         quarantine convicts. Returns the failed row ids."""
-        groups = list(dict.fromkeys(self.rows[r].group.request_id for r in row_ids))
+        groups = {r.group.request_id: r.group for r in rows}
         failed = []
-        for group_id in self.quarantine.failed(groups):
-            rows = [c.request_id for c in self.requests[group_id].children if not c.finished]
-            self.fail_requests(rows, self.quarantine.message(cause))
-            failed += rows
+        for group_id in self.quarantine.failed(list(groups)):
+            children = [c for c in groups[group_id].children if not c.finished]
+            self._fail(children, self.quarantine.message(cause))
+            failed += [c.request_id for c in children]
         return failed
 
     def _left(self, request: Request) -> None:
@@ -291,8 +301,8 @@ class Coordinator:
                 request.finish(FinishReason.ERROR, error=message, retryable=True)
                 self.outputs.due(request.group)
         self.scheduler.waiting.clear()
-        for entry in self.batch.entries():
-            self.scheduler.release(self.rows[entry.request_id])
+        for request in self._batch_requests():
+            self.scheduler.release(request)
         self.batch = PersistentBatch(self.batch.max_num_reqs)
         self._to_remove, self._plan_slots = [], EMPTY
         self.acceptance.take_last()

@@ -406,3 +406,36 @@ def test_an_id_used_again_and_again_never_leaks_its_row(engine):
         outs.append(list(engine.results(ids)[ids[0]].outputs[0].token_ids))
     assert all(o == outs[0] for o in outs[::2]) and all(o == outs[1] for o in outs[1::2])
     assert sum(r is not None for r in engine.coordinator.scheduler.table.requests) <= 1
+
+
+@pytest.mark.parametrize("convict", ["other", "aborted"])
+def test_an_id_given_again_while_a_step_fails_is_not_taken_for_the_row_that_held_it(convict):
+    """A client may abort a running request and give its id to a new one while a step is in flight.
+    If that step fails, recovery walks the batch, which still holds the aborted row under that id:
+    it must find the aborted row (release its slot, convict it if the error names it), never the
+    new request, which is waiting (before, the new one was re-queued a second time, could be failed
+    for the old one's error, and the old row's slot leaked)."""
+    engine = engine_with()
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    engine.submit_many(["Hello there", "café au lait"], params, ["x", "other"])
+    for _ in range(2):
+        engine.step()
+    coordinator = engine.coordinator
+    coordinator.next_plan()  # the step in flight
+    assert engine.abort("x")
+    engine.add_request("Hello there", params, "x")
+    row = coordinator.batch.row_of("x" if convict == "aborted" else "other")
+    coordinator.fail_step([row], "step failed: boom", engine.executor.worker_ids)
+    engine.executor.reset()
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    finals = {rid: [o for o in outs if o.finished] for rid, outs in outputs.items()}
+    assert len(finals["x"]) == 1 and finals["x"][0].finish_reason == FinishReason.LENGTH
+    new_x = list(finals["x"][0].outputs[0].token_ids)
+    if convict == "other":
+        assert finals["other"][0].finish_reason == FinishReason.ERROR
+    assert all(r is None for r in coordinator.scheduler.table.requests)  # no slot held
+    again = engine.submit_many(["Hello there"], params, ["x"], final_only=True)
+    assert list(engine.results(again)[again[0]].outputs[0].token_ids) == new_x  # unseeded: keyed by the id
