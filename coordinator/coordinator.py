@@ -273,7 +273,8 @@ class Coordinator:
         when it happened (finding a poison request: not the workers' own fault)."""
         probing = self.quarantine.active is not None
         table = self.scheduler.table
-        held = [r for r in self._batch_requests() if int(table.owner[r.slot]) in set(workers)]
+        lost = set(workers)
+        held = [r for r in self._batch_requests() if int(table.owner[r.slot]) in lost]
         self._suspected(held, f"a worker {cause}")
         self.requeue_running(alive_workers)
         return probing

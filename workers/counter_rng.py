@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from workers.row_argmax import row_max_argmax
+
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MUL1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MUL2 = -7723592293110705685  # 0x94D049BB133111EB
@@ -97,7 +99,7 @@ def _dense_argmax(logits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         stop = min(rows, start + chunk)
         h = golden_ids.unsqueeze(0) + base[start:stop].unsqueeze(1)
         noise = _gumbel_from_hash_(mix64_(h))
-        out[start:stop] = noise.add_(logits[start:stop]).argmax(dim=-1)
+        out[start:stop] = row_max_argmax(noise.add_(logits[start:stop]))[1]
     return out
 
 
