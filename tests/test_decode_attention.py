@@ -20,8 +20,16 @@ from workers.paged_attention import _block_major_decode
 KV_HEADS, GROUPS, DIM = 2, 2, 8
 
 
-def reference(q, k_pool, v_pool, tables, positions, block_size, scaling, window, softcap, sinks):
-    """Eager attention per row and query over the row's blocks, concatenated: (rows, kv, q_len * g, d)."""
+def reference(q, k_pool, v_pool, tables, positions, block_size, scaling, window, softcap, sinks, rounded=False):
+    """Eager attention per row and query over the row's blocks, concatenated: (rows, kv, q_len * g, d).
+
+    ``rounded``: scores and probabilities rounded to bfloat16 where eager attention's bfloat16
+    matmuls round them (as the kernel does with a bfloat16 cache); else exact, in float64.
+    """
+    def round_bf16(x):
+        return x.to(torch.bfloat16).double() if rounded else x
+
+    DIM = k_pool.shape[-1]  # noqa: N806
     rows, q_len = len(tables), max(len(p) for p in positions)
     out = torch.zeros(rows, KV_HEADS, q_len * GROUPS, DIM, dtype=torch.float64)
     for r, (table, pos) in enumerate(zip(tables, positions)):
@@ -30,7 +38,7 @@ def reference(q, k_pool, v_pool, tables, positions, block_size, scaling, window,
         key_pos = torch.arange(keys.shape[1])
         for i, p in enumerate(pos):
             query = q[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i].double()  # (kv, g, d)
-            scores = torch.einsum("hgd,hld->hgl", query, keys) * scaling
+            scores = round_bf16(torch.einsum("hgd,hld->hgl", query, keys)) * scaling
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             allowed = key_pos <= p
@@ -42,13 +50,14 @@ def reference(q, k_pool, v_pool, tables, positions, block_size, scaling, window,
                 probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
             else:
                 probs = torch.softmax(scores, dim=-1)
+            probs = round_bf16(probs)
             out[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = torch.einsum("hgl,hld->hgd", probs, values)
     return out
 
 
 @st.composite
 def layouts(draw):
-    block_size = draw(st.sampled_from([1, 2, 4]))
+    block_size = draw(st.sampled_from([1, 2, 4, 32]))  # 32: a block of more than one 16-key chunk
     num_blocks = draw(st.integers(4, 48))
     free = list(draw(st.permutations(range(num_blocks))))
     q_len = draw(st.integers(1, 3))
@@ -91,15 +100,17 @@ def test_block_major_decode_matches_per_row_attention(layout, window, softcap, w
                                    rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(layouts(), st.sampled_from([None, 2, 5]), st.sampled_from([None, 3.0]), st.booleans(),
        st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.integers(0, 2**16))
-def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, q_dtype, seed):
+       st.sampled_from([DIM, 16, 64]), st.integers(0, 2**16))
+def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, q_dtype, dim, seed):
     """The C++ kernel reads each row's blocks through its table, queries packed as in a real step.
 
-    ``dtype``: the pools'; ``q_dtype``: the queries' and the output's (the model's).
+    ``dtype``: the pools'; ``q_dtype``: the queries' and the output's (the model's). Head dims
+    that are a multiple of 16 take the kernel's vectorized path, others its plain loops.
     """
+    DIM = dim  # noqa: N806
     block_size, num_blocks, tables, positions = layout
     gen = torch.Generator().manual_seed(seed)
     k_pool = torch.randn(num_blocks, KV_HEADS, block_size, DIM, generator=gen).to(dtype)
@@ -122,7 +133,8 @@ def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_s
             q_ref[r].view(KV_HEADS, q_len, GROUPS, DIM)[:, i] = query.float()
     out = torch.full_like(q_all, 7.0)
     paged_decode(q_all, out, k_pool, v_pool, block_tables, token_index, query_pos, 0.5, softcap, window, sinks)
-    want = reference(q_ref, k_pool.float(), v_pool.float(), tables, positions, block_size, 0.5, window, softcap, sinks)
+    want = reference(q_ref, k_pool.float(), v_pool.float(), tables, positions, block_size, 0.5, window, softcap, sinks,
+                     rounded=dtype == torch.bfloat16)
     tolerance = 1e-5 if dtype == q_dtype == torch.float32 else 3e-2
     for r, pos in enumerate(positions):
         for i in range(len(pos)):

@@ -3,6 +3,9 @@
 // its blocks: scores for every query of the row and every query head of the group at once, a
 // softmax in float32 (with optional soft-capping, sliding window and sinks, as eager attention),
 // then the probability-weighted sum of V. Loaded with ctypes by workers/native_attention.py.
+// With AVX-512 and a head dim that is a multiple of 16, a second path keeps a tile of query slots
+// and their outputs in registers (attend_row_head_lanes); its sums are the plain path's but for
+// the last bit in float32, and identical in bfloat16.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -195,6 +198,196 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
     }
 }
 
+
+// ---- The vectorized path, for head dims that are a multiple of 16 (nearly every model) ----
+// One lane group of 16 floats (GCC vector extensions: AVX-512 registers where the CPU has them,
+// pairs of AVX2 registers elsewhere). A key's dot product with a query is 16 lane-wise partial
+// sums over the head dim, reduced for 16 keys at once by a fixed transpose-and-add tree, so every
+// score is the same sums in the same order whichever keys share its chunk.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+
+// Loads through memcpy: pool rows are only element-aligned (the compiler emits unaligned loads).
+inline f32x16 load_lanes(const float* from) {
+  f32x16 lanes;
+  std::memcpy(&lanes, from, sizeof(lanes));
+  return lanes;
+}
+inline f32x16 load_lanes(const uint16_t* from) {  // bfloat16 widened: the bits shifted into the high half
+  u16x16 narrow;
+  std::memcpy(&narrow, from, sizeof(narrow));
+  const u32x16 wide = __builtin_convertvector(narrow, u32x16) << 16;
+  f32x16 lanes;
+  std::memcpy(&lanes, &wide, sizeof(lanes));
+  return lanes;
+}
+
+// Lane j of the result: the sum of the 16 lanes of parts[j].
+inline f32x16 sum_lanes_of_each(f32x16 parts[kLanes]) {
+  const i32x16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i32x16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32x16 hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const i32x16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32x16 hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const i32x16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i32x16 hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: 8 partial sums of parts[2i], 8-15: of parts[2i + 1]
+    a[i] = __builtin_shuffle(parts[2 * i], parts[2 * i + 1], lo8) + __builtin_shuffle(parts[2 * i], parts[2 * i + 1], hi8);
+  for (int i = 0; i < 4; ++i)  // 4 lanes for each of parts[4i .. 4i + 3]
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi4);
+  for (int i = 0; i < 2; ++i)  // 2 lanes for each of parts[8i .. 8i + 7]
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+}
+
+// attend_row_head's semantics, head_dim = 16 * CH: the head dim's lane groups known at compile
+// time and query slots taken kTile at a time, so a tile's queries and its output accumulators
+// stay in registers while each key and value is read once per tile.
+constexpr int64_t kTile = 4;
+
+template <int CH, typename T, typename Q>
+void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s,
+                           const int64_t* table, const int64_t* token_index, const int64_t* query_pos, int64_t h,
+                           float scale, float softcap, int64_t window, const float* sinks) {
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
+  int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < s.q_len; ++i) {
+    if (query_pos[i] < 0) break;  // padding queries come last
+    ++nq;
+    max_pos = std::max(max_pos, query_pos[i]);
+    min_pos = std::min(min_pos, query_pos[i]);
+  }
+  if (nq == 0) return;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
+  const int64_t length = max_pos + 1 - first;
+  const int64_t width = nq * groups;  // query slots: (query, head of the group)
+  const int64_t tiles = (width + kTile - 1) / kTile, padded = tiles * kTile;
+  constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
+  std::vector<f32x16> queries(padded * CH, f32x16{}), parts(kTile * kLanes);
+  std::vector<f32x16> acc(padded * CH);
+  std::vector<float> scores(padded * length, 0.0f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q* query = q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride;
+      float* into = reinterpret_cast<float*>(&queries[(i * groups + g) * CH]);
+      for (int64_t d = 0; d < dim; ++d) into[d] = to_float(query[d]);
+    }
+  const int64_t slice_elems = bs * dim;
+  const auto block_start = [&](const T* pool, int64_t b) { return pool + (table[b] * s.kv_heads + h) * slice_elems; };
+
+  // Scores, 16 keys at a time within a block.
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    f32x16 q[kTile][CH];
+    for (int64_t w = 0; w < kTile; ++w)
+      for (int c = 0; c < CH; ++c) q[w][c] = queries[(tile * kTile + w) * CH + c];
+    for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
+      const T* tokens = block_start(k_pool, b);
+      for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
+        const int64_t n = std::min(kLanes, end - lo);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* key = tokens + (lo + j - b * bs) * dim;
+          f32x16 k[CH];
+          for (int c = 0; c < CH; ++c) k[c] = load_lanes(key + c * kLanes);
+          for (int64_t w = 0; w < kTile; ++w) {
+            f32x16 part = q[w][0] * k[0];
+            for (int c = 1; c < CH; ++c) part += q[w][c] * k[c];
+            parts[w * kLanes + j] = part;
+          }
+        }
+        for (int64_t w = 0; w < kTile && tile * kTile + w < width; ++w) {
+          f32x16* of_slot = &parts[w * kLanes];
+          for (int64_t j = n; j < kLanes; ++j) of_slot[j] = f32x16{};
+          const f32x16 dots = sum_lanes_of_each(of_slot);
+          float* row = &scores[(tile * kTile + w) * length + (lo - first)];
+          for (int64_t j = 0; j < n; ++j) row[j] = rounded ? round_bf16(dots[j]) : dots[j];
+        }
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t pos = query_pos[i];
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - first, hi = pos + 1 - first;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* row = &scores[(i * groups + g) * length];
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t t = lo; t < hi; ++t) {
+        float value = row[t] * scale;
+        if (softcap > 0.0f) value = std::tanh(value / softcap) * softcap;
+        row[t] = value;
+        top = std::max(top, value);
+      }
+      const float sink = sinks ? sinks[h * groups + g] : -std::numeric_limits<float>::infinity();
+      top = std::max(top, sink);
+      float total = sinks ? std::exp(sink - top) : 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = lo; t < hi; ++t) {
+        row[t] = exp_nonpositive(row[t] - top);
+        total += row[t];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t t = 0; t < length; ++t) row[t] = (t >= lo && t < hi) ? row[t] * inverse : 0.0f;
+      if (rounded)
+        for (int64_t t = lo; t < hi; ++t) row[t] = round_bf16(row[t]);
+    }
+  }
+
+  // Probability-weighted values, key by key (padding slots' probabilities are 0: skipped).
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    f32x16 a[kTile][CH] = {};
+    for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
+      const T* tokens = block_start(v_pool, b);
+      for (int64_t t = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); t < end; ++t) {
+        const T* value = tokens + (t - b * bs) * dim;
+        f32x16 v[CH];
+        for (int c = 0; c < CH; ++c) v[c] = load_lanes(value + c * kLanes);
+        for (int64_t w = 0; w < kTile; ++w) {
+          const float p = scores[(tile * kTile + w) * length + (t - first)];
+          if (p == 0.0f) continue;
+          for (int c = 0; c < CH; ++c) a[w][c] += p * v[c];
+        }
+      }
+    }
+    for (int64_t w = 0; w < kTile; ++w)
+      for (int c = 0; c < CH; ++c) acc[(tile * kTile + w) * CH + c] = a[w][c];
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      Q* into = out + (token_index[i] * s.heads + h * groups + g) * dim;
+      const float* sums = reinterpret_cast<const float*>(&acc[(i * groups + g) * CH]);
+      for (int64_t d = 0; d < dim; ++d) store(into + d, sums[d]);
+    }
+}
+
+// The compiled lane-group counts: head dims 64, 80, 96, 128, 256 (and 16, 32); false for others,
+// and everywhere without AVX-512: with 16 AVX2 registers a tile's accumulators spill and the
+// reduction's cross-lane shuffles are emulated (2x slower than the plain loops, measured).
+template <typename T, typename Q>
+bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s,
+                  const int64_t* table, const int64_t* token_index, const int64_t* query_pos, int64_t h, float scale,
+                  float softcap, int64_t window, const float* sinks) {
+#if !defined(__AVX512F__)
+  return false;
+#endif
+  switch (head_dim) {
+#define RAYSAMPLE_LANES(CH)                                                                                       \
+  case 16 * CH:                                                                                                   \
+    attend_row_head_lanes<CH>(q_all, out, k_pool, v_pool, s, table, token_index, query_pos, h, scale, softcap, \
+                              window, sinks);                                                                    \
+    return true;
+    RAYSAMPLE_LANES(1) RAYSAMPLE_LANES(2) RAYSAMPLE_LANES(4) RAYSAMPLE_LANES(5) RAYSAMPLE_LANES(6)
+    RAYSAMPLE_LANES(8) RAYSAMPLE_LANES(16)
+#undef RAYSAMPLE_LANES
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -220,10 +413,14 @@ void raysample_paged_decode(const void* q_all, int64_t q_token_stride, int64_t q
     const int64_t* row_tokens = token_index + r * q_len;
     const int64_t* row_positions = query_pos + r * q_len;
     const auto run = [&](auto* queries, auto* into) {
-      if (dtype == 0)
+      if (dtype == 0 && !lanes_kernel(head_dim, queries, into, static_cast<const float*>(k_pool),
+                                      static_cast<const float*>(v_pool), s, table, row_tokens, row_positions, h, scale,
+                                      softcap, window, sinks))
         attend_row_head(queries, into, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
                         row_tokens, row_positions, h, scale, softcap, window, sinks);
-      else
+      else if (dtype != 0 && !lanes_kernel(head_dim, queries, into, static_cast<const uint16_t*>(k_pool),
+                                           static_cast<const uint16_t*>(v_pool), s, table, row_tokens, row_positions,
+                                           h, scale, softcap, window, sinks))
         attend_row_head(queries, into, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
                         table, row_tokens, row_positions, h, scale, softcap, window, sinks);
     };
