@@ -107,8 +107,9 @@ def test_block_major_decode_matches_per_row_attention(layout, window, softcap, w
 def test_native_kernel_matches_per_row_attention(layout, window, softcap, with_sinks, dtype, q_dtype, dim, seed):
     """The C++ kernel reads each row's blocks through its table, queries packed as in a real step.
 
-    ``dtype``: the pools'; ``q_dtype``: the queries' and the output's (the model's). Head dims
-    that are a multiple of 16 take the kernel's vectorized path, others its plain loops.
+    ``dtype``: the pools'; ``q_dtype``: the queries' and the output's (the model's). On an AVX-512
+    CPU, head dims that are a multiple of 16 take the kernel's register-tiled path (up to 6 query
+    slots here: two tiles), head dim 8 its plain loops; elsewhere every head dim takes the plain loops.
     """
     DIM = dim  # noqa: N806
     block_size, num_blocks, tables, positions = layout

@@ -106,53 +106,49 @@ inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, in
   }
 }
 
-// T: the pools' element type; Q: the queries' and the output's (the model's dtype).
-template <typename T, typename Q>
-void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
-                     int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
-  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
-  int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < s.q_len; ++i) {
-    if (query_pos[i] < 0) break;  // padding queries come last
-    ++nq;
-    max_pos = std::max(max_pos, query_pos[i]);
+// The real queries of one row (padding queries, position -1, come last) and the keys they may see.
+struct QuerySpan {
+  int64_t nq = 0, max_pos = -1, first = 0, length = 0;
+};
+
+inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t window) {
+  QuerySpan span;
+  int64_t min_pos = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < s.q_len && query_pos[i] >= 0; ++i) {
+    ++span.nq;
+    span.max_pos = std::max(span.max_pos, query_pos[i]);
     min_pos = std::min(min_pos, query_pos[i]);
   }
-  if (nq == 0) return;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
-  const int64_t length = max_pos + 1 - first;
-  const int64_t width = nq * groups;  // query slots: (query, head of the group)
-  constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
-  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f);
+  if (span.nq == 0) return span;
+  span.first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
+  span.length = span.max_pos + 1 - span.first;
+  return span;
+}
+
+// One row's queries as float32, query slot (query, head of the group) by slot, head_dim apart.
+template <typename Q>
+inline void load_queries(float* into, const Q* q_all, const Shape& s, const int64_t* token_index, int64_t nq,
+                         int64_t h) {
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < groups; ++g) {
       const Q* query = q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride;
-      for (int64_t d = 0; d < dim; ++d) queries[(i * groups + g) * dim + d] = to_float(query[d]);
+      for (int64_t d = 0; d < dim; ++d) into[(i * groups + g) * dim + d] = to_float(query[d]);
     }
+}
 
-  std::vector<float> key_row(dim);  // a bfloat16 key (then value) widened once
-  for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
-    const float* widened = key_row.data();
-    if constexpr (sizeof(T) == 2) {  // widen once, for every query slot
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) key_row[d] = to_float(key[d]);
-    } else {
-      widened = key;
-    }
-    for (int64_t w = 0; w < width; ++w) {
-      const float* query = &queries[w * dim];
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += query[d] * widened[d];
-      scores[w * length + (t - first)] = rounded ? round_bf16(dot) : dot;
-    }
-  });
-
-  for (int64_t i = 0; i < nq; ++i) {
+// Scores (query slot by slot, `length` apart, from key `first`) into probabilities, in place: scaled,
+// soft-capped, masked to each query's causal window, softmax with the optional sink; rounded to
+// bfloat16 where eager's bfloat16 matmul would take them.
+inline void softmax_rows(float* scores, int64_t length, const QuerySpan& span, const int64_t* query_pos,
+                         int64_t groups, int64_t h, float scale, float softcap, int64_t window, const float* sinks,
+                         bool rounded) {
+  for (int64_t i = 0; i < span.nq; ++i) {
     const int64_t pos = query_pos[i];
-    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - first, hi = pos + 1 - first;
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - span.first;
+    const int64_t hi = pos + 1 - span.first;
     for (int64_t g = 0; g < groups; ++g) {
-      float* row = &scores[(i * groups + g) * length];
+      float* row = scores + (i * groups + g) * length;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t t = lo; t < hi; ++t) {
         float value = row[t] * scale;
@@ -174,6 +170,52 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
         for (int64_t t = lo; t < hi; ++t) row[t] = round_bf16(row[t]);
     }
   }
+}
+
+// The attention outputs of one row's query slots (float32 sums, head_dim apart) into `out`.
+template <typename Q>
+inline void store_outputs(Q* out, const float* sums, const Shape& s, const int64_t* token_index, int64_t nq,
+                          int64_t h) {
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      Q* into = out + (token_index[i] * s.heads + h * groups + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) store(into + d, sums[(i * groups + g) * dim + d]);
+    }
+}
+
+// T: the pools' element type; Q: the queries' and the output's (the model's dtype).
+template <typename T, typename Q>
+void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
+                     int64_t h, float scale, float softcap, int64_t window, const float* sinks) {
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim;
+  const QuerySpan span = query_span(s, query_pos, window);
+  if (span.nq == 0) return;
+  const int64_t nq = span.nq, first = span.first, max_pos = span.max_pos, length = span.length;
+  const int64_t width = nq * groups;  // query slots: (query, head of the group)
+  constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
+  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f);
+  load_queries(queries.data(), q_all, s, token_index, nq, h);
+
+  std::vector<float> key_row(dim);  // a bfloat16 key (then value) widened once
+  for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
+    const float* widened = key_row.data();
+    if constexpr (sizeof(T) == 2) {  // widen once, for every query slot
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) key_row[d] = to_float(key[d]);
+    } else {
+      widened = key;
+    }
+    for (int64_t w = 0; w < width; ++w) {
+      const float* query = &queries[w * dim];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * widened[d];
+      scores[w * length + (t - first)] = rounded ? round_bf16(dot) : dot;
+    }
+  });
+
+  softmax_rows(scores.data(), length, span, query_pos, groups, h, scale, softcap, window, sinks, rounded);
 
   for_each_key(v_pool, s, table, h, first, max_pos, [&](int64_t t, const T* value) {
     const float* widened = key_row.data();
@@ -191,11 +233,7 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
       for (int64_t d = 0; d < dim; ++d) into[d] += p * widened[d];
     }
   });
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      Q* into = out + (token_index[i] * s.heads + h * groups + g) * dim;
-      for (int64_t d = 0; d < dim; ++d) store(into + d, acc[(i * groups + g) * dim + d]);
-    }
+  store_outputs(out, acc.data(), s, token_index, nq, h);
 }
 
 
@@ -255,28 +293,16 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
                            const int64_t* table, const int64_t* token_index, const int64_t* query_pos, int64_t h,
                            float scale, float softcap, int64_t window, const float* sinks) {
   const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
-  int64_t nq = 0, max_pos = -1, min_pos = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < s.q_len; ++i) {
-    if (query_pos[i] < 0) break;  // padding queries come last
-    ++nq;
-    max_pos = std::max(max_pos, query_pos[i]);
-    min_pos = std::min(min_pos, query_pos[i]);
-  }
-  if (nq == 0) return;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
-  const int64_t length = max_pos + 1 - first;
+  const QuerySpan span = query_span(s, query_pos, window);
+  if (span.nq == 0) return;
+  const int64_t nq = span.nq, first = span.first, max_pos = span.max_pos, length = span.length;
   const int64_t width = nq * groups;  // query slots: (query, head of the group)
   const int64_t tiles = (width + kTile - 1) / kTile, padded = tiles * kTile;
   constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
   std::vector<f32x16> queries(padded * CH, f32x16{}), parts(kTile * kLanes);
   std::vector<f32x16> acc(padded * CH);
   std::vector<float> scores(padded * length, 0.0f);
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      const Q* query = q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride;
-      float* into = reinterpret_cast<float*>(&queries[(i * groups + g) * CH]);
-      for (int64_t d = 0; d < dim; ++d) into[d] = to_float(query[d]);
-    }
+  load_queries(reinterpret_cast<float*>(queries.data()), q_all, s, token_index, nq, h);
   const int64_t slice_elems = bs * dim;
   const auto block_start = [&](const T* pool, int64_t b) { return pool + (table[b] * s.kv_heads + h) * slice_elems; };
 
@@ -310,32 +336,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
     }
   }
 
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t pos = query_pos[i];
-    const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - first, hi = pos + 1 - first;
-    for (int64_t g = 0; g < groups; ++g) {
-      float* row = &scores[(i * groups + g) * length];
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t t = lo; t < hi; ++t) {
-        float value = row[t] * scale;
-        if (softcap > 0.0f) value = std::tanh(value / softcap) * softcap;
-        row[t] = value;
-        top = std::max(top, value);
-      }
-      const float sink = sinks ? sinks[h * groups + g] : -std::numeric_limits<float>::infinity();
-      top = std::max(top, sink);
-      float total = sinks ? std::exp(sink - top) : 0.0f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = lo; t < hi; ++t) {
-        row[t] = exp_nonpositive(row[t] - top);
-        total += row[t];
-      }
-      const float inverse = 1.0f / total;
-      for (int64_t t = 0; t < length; ++t) row[t] = (t >= lo && t < hi) ? row[t] * inverse : 0.0f;
-      if (rounded)
-        for (int64_t t = lo; t < hi; ++t) row[t] = round_bf16(row[t]);
-    }
-  }
+  softmax_rows(scores.data(), length, span, query_pos, groups, h, scale, softcap, window, sinks, rounded);
 
   // Probability-weighted values, key by key (padding slots' probabilities are 0: skipped).
   for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -356,12 +357,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
     for (int64_t w = 0; w < kTile; ++w)
       for (int c = 0; c < CH; ++c) acc[(tile * kTile + w) * CH + c] = a[w][c];
   }
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      Q* into = out + (token_index[i] * s.heads + h * groups + g) * dim;
-      const float* sums = reinterpret_cast<const float*>(&acc[(i * groups + g) * CH]);
-      for (int64_t d = 0; d < dim; ++d) store(into + d, sums[d]);
-    }
+  store_outputs(out, reinterpret_cast<const float*>(acc.data()), s, token_index, nq, h);
 }
 
 // The compiled lane-group counts: head dims 64, 80, 96, 128, 256 (and 16, 32); false for others,
