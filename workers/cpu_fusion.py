@@ -8,7 +8,9 @@ elementwise ops). Three swaps, each made only where it is exact:
   (``SharedInputLinears``); gate/up likewise;
 - a Llama-style MLP (``down(silu(gate(x)) * up(x))``) runs its SiLU and product in place on the
   fused gate/up output, instead of three new activations;
-- a Llama-style RMSNorm in float32 is ``torch.nn.functional.rms_norm``, one fused op.
+- a Llama-style RMSNorm is one call of the exact native kernel (``workers.exact_ops``), or in
+  float32 without it ``torch.nn.functional.rms_norm``, one fused op;
+- a Llama-style attention applies its rotary embedding to q and k in one native call each.
 
 Each swap is checked at load on a random input against the module it replaces and kept only if
 the outputs are identical (``torch.equal``) on this CPU; a module whose forward is not the
@@ -18,6 +20,7 @@ own. Prepacked oneDNN weights (``workers.cpu_linear``) are used for the fused li
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from types import MethodType
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import exact_ops
 from workers.cpu_linear import PrepackedLinear
 
 logger = logging.getLogger(__name__)
@@ -107,6 +111,11 @@ def _llama_rms_norm_forward(original: Callable, module: nn.Module, x: torch.Tens
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
+def _native_rms_norm_forward(original: Callable, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = exact_ops.rms_norm(x, module.weight, module.variance_epsilon)
+    return original(x) if out is None else out
+
+
 def _same_outputs(reference: Callable[[torch.Tensor], torch.Tensor], candidate: Callable[[torch.Tensor], torch.Tensor],
                   width: int, like: torch.Tensor) -> bool:
     """Bit-for-bit equal outputs on random inputs of a few shapes (decode rows, a prefill chunk)."""
@@ -171,10 +180,62 @@ def _fuse_rms_norm(module: nn.Module) -> bool:
     if not (_same_code(type(module).forward, LlamaRMSNorm.forward) and hasattr(module, "variance_epsilon")):
         return False
     original = module.forward
-    candidate = MethodType(lambda self, x: _llama_rms_norm_forward(original, self, x), module)
-    if not _same_outputs(original, candidate, module.weight.shape[-1], module.weight):
+    candidates = [MethodType(lambda self, x: _llama_rms_norm_forward(original, self, x), module)]
+    if exact_ops.available() and exact_ops.sum_lanes(module.weight.shape[-1], module.variance_epsilon) is not None:
+        candidates.insert(0, MethodType(lambda self, x: _native_rms_norm_forward(original, self, x), module))
+    for candidate in candidates:
+        if _same_outputs(original, candidate, module.weight.shape[-1], module.weight):
+            module.forward = candidate
+            return True
+    return False
+
+
+def _llama_attention_forward(module: nn.Module, hidden_states: torch.Tensor,
+                             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             attention_mask: torch.Tensor | None = None, cache=None, **kwargs):
+    """LlamaAttention's forward with the rotary embedding as one native call per tensor.
+
+    Only installed on a module whose forward is Llama's code and whose module's
+    ``apply_rotary_pos_emb`` the kernel matches bit for bit (``_fuse_rotary``); any input the kernel
+    does not take goes to that function.
+    """
+    heads_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(heads_shape).transpose(1, 2)
+    key = module.k_proj(hidden_states).view(heads_shape).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(heads_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    rotated = exact_ops.rotary(query, key, cos, sin)
+    query, key = rotated if rotated is not None else module.__dict__["_eager_rotary"](query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+    names = module.__dict__["_attention_names"]
+    attend = names["ALL_ATTENTION_FUNCTIONS"].get_interface(module.config._attn_implementation,
+                                                            names["eager_attention_forward"])
+    output, weights = attend(module, query, key, value, attention_mask,
+                             dropout=0.0 if not module.training else module.attention_dropout,
+                             scaling=module.scaling, **kwargs)
+    return module.o_proj(output.reshape(*heads_shape[:-2], -1).contiguous()), weights
+
+
+def _fuse_rotary(module: nn.Module) -> bool:
+    from transformers.models.llama import modeling_llama
+
+    forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+    if not _same_code(forward, inspect.unwrap(modeling_llama.LlamaAttention.forward)):
         return False
-    module.forward = candidate
+    names = forward.__globals__  # the module that defines this attention: its rotary and attention functions
+    eager_rotary = names.get("apply_rotary_pos_emb")
+    if not (callable(eager_rotary) and "ALL_ATTENTION_FUNCTIONS" in names and "eager_attention_forward" in names
+            and _same_code(inspect.unwrap(eager_rotary), inspect.unwrap(modeling_llama.apply_rotary_pos_emb))):
+        return False
+    config = module.config
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dtype = next(t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
+    if not (exact_ops.available() and exact_ops.rotary_exact(eager_rotary, heads, kv_heads, module.head_dim, dtype)):
+        return False
+    module.__dict__["_eager_rotary"] = eager_rotary
+    module.__dict__["_attention_names"] = {n: names[n] for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")}
+    module.forward = MethodType(_llama_attention_forward, module)
     return True
 
 
@@ -182,7 +243,7 @@ def fuse_cpu_layers(model: nn.Module) -> dict[str, int]:
     """Apply every exact swap to ``model``, then prepack the remaining linears; returns what was done."""
     from workers.cpu_linear import prepack_linears
 
-    counts = {"mlp": 0, "shared_input": 0, "rms_norm": 0}
+    counts = {"mlp": 0, "shared_input": 0, "rms_norm": 0, "rotary": 0}
     with torch.inference_mode():
         for module in list(model.modules()):
             if _fuse_llama_mlp(module):
@@ -190,6 +251,7 @@ def fuse_cpu_layers(model: nn.Module) -> dict[str, int]:
             for names in _PROJECTIONS:
                 counts["shared_input"] += _share_input(module, names)
             counts["rms_norm"] += _fuse_rms_norm(module)
+            counts["rotary"] += _fuse_rotary(module)
         counts["prepacked"] = prepack_linears(model)
     logger.debug("CPU layer fusion: %s", counts)
     return counts

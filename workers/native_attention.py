@@ -2,27 +2,22 @@
 
 Why native: on CPU, decode attention as batched torch products costs the same per KV block
 whether a row owns it or not and runs a dozen small ops per layer; the kernel reads only each
-row's valid keys, where they lie, in one call per layer. It is a plain shared library (no torch
-headers), so it compiles in about a second with the system C++ compiler: ``make setup`` builds
-it, and a worker that finds it missing builds it on first use. The file name carries a hash of
-the source, the flags and this CPU's features, so a stale or foreign build is never loaded.
-Where no compiler is found, callers fall back to the torch path (``available()`` is False).
+row's valid keys, where they lie, in one call per layer. ``workers.native_build`` compiles it
+(``make setup``, or a worker's first use). Where no compiler is found, callers fall back to the
+torch path (``available()`` is False).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from workers import native_build
+from workers.native_build import NativeKernelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -33,61 +28,15 @@ FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fn
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 2
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-class NativeKernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here (no compiler, or the build failed)."""
-
-
-def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+__all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports"]
 
 
 def library_path() -> Path:
-    """Where the build of this source, these flags and this CPU lives.
-
-    ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
-    package) the user's cache.
-    """
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_signature().encode()):
-        digest.update(part)
-    folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or SOURCE.parent / "build")
-    if "RAYSAMPLE_KERNEL_DIR" not in os.environ and not os.access(SOURCE.parent, os.W_OK):
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysample" / "kernels"
-    return folder / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    return native_build.library_path(SOURCE, FLAGS)
 
 
 def build() -> Path:
-    """Compile the kernel unless this exact build exists; atomic, so concurrent workers may race."""
-    target = library_path()
-    if target.exists():
-        return target
-    wanted = os.environ.get("CXX")
-    compiler = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        raise NativeKernelUnavailable(f"no C++ compiler: CXX={wanted!r} not found" if wanted
-                                      else "no C++ compiler (g++, c++ or clang++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        result = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    for stale in target.parent.glob("paged_decode-*.so"):  # builds of older sources (a loaded one stays mapped)
-        if stale != target:
-            stale.unlink(missing_ok=True)
-    return target
+    return native_build.build(SOURCE, FLAGS)
 
 
 @lru_cache(maxsize=1)

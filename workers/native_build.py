@@ -1,0 +1,72 @@
+"""Building the C++ CPU kernels (``workers/native/*.cpp``) with the system compiler, for ctypes.
+
+Each is a plain shared library (no torch headers), so it compiles in about a second: ``make
+setup`` builds them, and a worker that finds one missing builds it on first use. The file name
+carries a hash of the source, the flags and this CPU's features, so a stale or foreign build is
+never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """A kernel could not be built or loaded here (no compiler, or the build failed)."""
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(source: Path, flags: list[str]) -> Path:
+    """Where the build of this source, these flags and this CPU lives.
+
+    ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
+    package) the user's cache.
+    """
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), platform.machine().encode(), _cpu_signature().encode()):
+        digest.update(part)
+    folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or source.parent / "build")
+    if "RAYSAMPLE_KERNEL_DIR" not in os.environ and not os.access(source.parent, os.W_OK):
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysample" / "kernels"
+    return folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def build(source: Path, flags: list[str]) -> Path:
+    """Compile ``source`` unless this exact build exists; atomic, so concurrent workers may race."""
+    target = library_path(source, flags)
+    if target.exists():
+        return target
+    wanted = os.environ.get("CXX")
+    compiler = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise NativeKernelUnavailable(f"no C++ compiler: CXX={wanted!r} not found" if wanted
+                                      else "no C++ compiler (g++, c++ or clang++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        result = subprocess.run([compiler, *flags, "-o", str(partial), str(source)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    for stale in target.parent.glob(f"{source.stem}-*.so"):  # builds of older sources (a loaded one stays mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
+    return target
