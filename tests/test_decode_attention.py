@@ -212,3 +212,21 @@ def test_segments_skip_wide_gaps_and_keep_narrow_ones():
     assert choose_segments(own) == [(0, 4 + gap), (100, 102)]
     assert choose_segments(np.array([7])) == [(7, 8)]
     assert choose_segments(np.array([], dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_write_matches_index_copy(dtype):
+    """Keys as rotated (contiguous per token) and values as projected (strided by the fused q/k/v width)."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, tokens, dim, blocks, block_size = 3, 7, 16, 5, 4
+    key = torch.randn(1, tokens, kv_heads, dim, generator=generator).to(dtype).transpose(1, 2)[0]
+    qkv = torch.randn(tokens, 9 * dim, generator=generator).to(dtype)
+    value = qkv[:, 6 * dim:].view(tokens, kv_heads, dim).transpose(0, 1)
+    slots = torch.randperm(blocks * kv_heads * block_size, generator=generator)[: tokens * kv_heads]
+    pools = [torch.zeros(blocks, kv_heads, block_size, dim, dtype=dtype) for _ in range(4)]
+    native_attention.write_kv(key, value, pools[0], pools[1], slots)
+    for pool, new in ((pools[2], key), (pools[3], value)):
+        pool.view(-1, dim).index_copy_(0, slots, new.transpose(0, 1).reshape(-1, dim))
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(ValueError, match="do not match"):
+        native_attention.write_kv(key, value, pools[0], pools[1], slots[:-1])

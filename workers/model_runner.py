@@ -217,6 +217,7 @@ class ModelRunner:
             groups=groups,
             block_major=block_major,
             native=native,
+            native_writes=self.native_decode,  # _write_slots checked the slots for the kernel
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
@@ -225,6 +226,8 @@ class ModelRunner:
         heads = np.arange(self.kv_heads, dtype=np.int64)
         slots = (np.asarray(blocks, dtype=np.int64)[:, None] * self.kv_heads + heads) * self.block_size
         slots += np.asarray(offsets, dtype=np.int64)[:, None]
+        if slots.size and (slots.min() < 0 or slots.max() >= self.cache.num_blocks * self.kv_heads * self.block_size):
+            raise ValueError("a K/V write slot is out of the cache's range")  # the native write would not check
         return torch.from_numpy(slots.reshape(-1)).to(self.device)
 
     def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],

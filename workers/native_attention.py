@@ -26,9 +26,9 @@ SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
 # library it sets flush-to-zero for the whole process on load (tests/test_decode_attention.py).
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-__all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports"]
+__all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports", "write_kv"]
 
 
 def library_path() -> Path:
@@ -49,6 +49,8 @@ def _library() -> ctypes.CDLL:
     fn.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64,
                    f32, f32, i64, p, ctypes.c_int]
     fn.restype = None
+    library.raysample_write_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64]
+    library.raysample_write_kv.restype = None
     return library
 
 
@@ -126,6 +128,23 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
         scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """``key``/``value`` ``(kv_heads, N, d)`` (any strides but the last) into pool rows ``slots``
+    ``(N * kv_heads,)``, token-major, of the pools viewed as ``(rows, d)``: what
+    ``index_copy_`` does, for both in one call. Slots must be checked in range by the caller (the
+    model runner does, once per step)."""
+    kv_heads, tokens, dim = key.shape
+    if not (key.dtype == value.dtype == k_pool.dtype == v_pool.dtype and value.shape == key.shape
+            and key.stride(2) == value.stride(2) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and k_pool.shape[-1] == dim and v_pool.shape == k_pool.shape and slots.dtype == torch.int64
+            and slots.is_contiguous() and slots.numel() == tokens * kv_heads):
+        raise ValueError("write_kv: keys, values, pools and slots do not match")
+    _library().raysample_write_kv(key.data_ptr(), key.stride(1), key.stride(0), value.data_ptr(), value.stride(1),
+                                  value.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), tokens,
+                                  kv_heads, dim, key.element_size())
 
 
 if __name__ == "__main__":  # make setup: build now, so no worker compiles on its first step

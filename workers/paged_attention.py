@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.native_attention import paged_decode as native_paged_decode
+from workers.native_attention import write_kv as native_write_kv
 
 ATTENTION_NAME = "raysample_paged"
 SHORT_QUERY_LIMIT = 16  # multi-token rows up to this many queries are batched together
@@ -169,6 +170,7 @@ class PackedStep:
     groups: list[AttentionGroup]
     block_major: list[BlockMajorDecode] = field(default_factory=list)
     native: NativeDecode | None = None
+    native_writes: bool = False  # write K/V with the CPU kernel: write_slots checked in range by the runner
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
 
@@ -306,9 +308,12 @@ def paged_attention(
         raise UnsupportedAttention(
             f"layer {layer} gives {key.shape[1]} KV heads where the cache holds {k_pool.shape[1]} per rank: the model's "
             "tensor-parallel plan does not split its key/value heads across ranks (use tensor_parallel_size 1)")
-    for pool, new in ((k_pool, key), (v_pool, value)):
-        rows = new[0].transpose(0, 1).reshape(-1, head_dim).to(pool.dtype)  # (N * kv_heads, d), token-major
-        pool.view(-1, head_dim).index_copy_(0, packed_step.write_slots, rows)
+    if packed_step.native_writes and key.dtype == value.dtype == k_pool.dtype:
+        native_write_kv(key[0], value[0], k_pool, v_pool, packed_step.write_slots)
+    else:
+        for pool, new in ((k_pool, key), (v_pool, value)):
+            rows = new[0].transpose(0, 1).reshape(-1, head_dim).to(pool.dtype)  # (N * kv_heads, d), token-major
+            pool.view(-1, head_dim).index_copy_(0, packed_step.write_slots, rows)
 
     heads, n_tokens = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[1]

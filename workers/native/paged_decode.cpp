@@ -388,7 +388,28 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
 
 extern "C" {
 
-int raysample_abi_version() { return 2; }
+int raysample_abi_version() { return 3; }
+
+// A step's new K and V rows into their cache slots, one call per layer for both (what two
+// index_copy_ calls and a contiguous copy of V did). k, v: token t, head h at
+// base + (t * token_stride + h * head_stride) elements, head_dim contiguous; slots: int64
+// (tokens * kv_heads,), token-major, each a row of the pool viewed as (rows, head_dim), checked in
+// range by the caller.
+void raysample_write_kv(const void* k, int64_t k_token_stride, int64_t k_head_stride, const void* v,
+                        int64_t v_token_stride, int64_t v_head_stride, void* k_pool, void* v_pool, const int64_t* slots,
+                        int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t element_size) {
+  const int64_t row_bytes = head_dim * element_size;
+  char* k_rows = static_cast<char*>(k_pool);
+  char* v_rows = static_cast<char*>(v_pool);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t slot = slots[t * kv_heads + h];
+      std::memcpy(k_rows + slot * row_bytes, static_cast<const char*>(k) + (t * k_token_stride + h * k_head_stride) * element_size,
+                  row_bytes);
+      std::memcpy(v_rows + slot * row_bytes, static_cast<const char*>(v) + (t * v_token_stride + h * v_head_stride) * element_size,
+                  row_bytes);
+    }
+}
 
 // q_all: (tokens, heads, head_dim) with the given strides; out: contiguous, same shape; both of
 // q_dtype. k_pool, v_pool: (num_blocks, kv_heads, block_size, head_dim) of dtype. Dtype codes:
