@@ -130,6 +130,12 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
     )
 
 
+def bf16_dot_product() -> bool:
+    """Whether bfloat16 queries and pools with a head dim of 32k take the kernel's AVX512-BF16 path
+    (its sums added in another order than the float32 path's)."""
+    return bool(_library().raysample_bf16_dot_product())
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slots: torch.Tensor) -> None:
     """``key``/``value`` ``(kv_heads, N, d)`` (any strides but the last) into pool rows ``slots``

@@ -13,6 +13,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float bf16_to_float(uint16_t bits) {
@@ -360,6 +364,113 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
   store_outputs(out, reinterpret_cast<const float*>(acc.data()), s, token_index, nq, h);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 queries and pools on a CPU with AVX512-BF16: scores and weighted values by its dot
+// product (vdpbf16ps: two exact products of bfloat16 pairs added into each float32 lane), twice
+// the multiply-adds per instruction of the float32 lanes and no widening of keys and values. The
+// products are the float32 path's (a product of two bfloat16 is exact in float32); the order of
+// the additions differs, as between any two matmul kernels (oneDNN's bfloat16 matmuls in eager
+// attention use this instruction too). Like it, it flushes subnormal inputs and sums to zero.
+// Head dims of 32k (CH even); the tile, the 16-key reduction tree and the softmax are the
+// float32 lanes path's.
+inline __m512bh load_pairs(const uint16_t* from) { return (__m512bh)_mm512_loadu_si512(from); }
+
+template <int CH>
+void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16_t* k_pool, const uint16_t* v_pool,
+                              const Shape& s, const int64_t* table, const int64_t* token_index,
+                              const int64_t* query_pos, int64_t h, float scale, float softcap, int64_t window,
+                              const float* sinks) {
+  constexpr int kPairs = CH / 2;  // 32 bfloat16 per vector
+  const int64_t groups = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
+  const QuerySpan span = query_span(s, query_pos, window);
+  if (span.nq == 0) return;
+  const int64_t nq = span.nq, first = span.first, max_pos = span.max_pos, length = span.length;
+  const int64_t width = nq * groups;
+  const int64_t tiles = (width + kTile - 1) / kTile, padded = tiles * kTile;
+  std::vector<uint16_t> queries(padded * dim, 0);  // bfloat16 as they are: query slot by slot
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(&queries[(i * groups + g) * dim],
+                  q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride, dim * sizeof(uint16_t));
+  std::vector<f32x16> parts(kTile * kLanes), acc(padded * CH);
+  std::vector<float> scores(padded * length, 0.0f);
+  const int64_t slice_elems = bs * dim;
+  const auto token_row = [&](const uint16_t* pool, int64_t t) {
+    return pool + (table[t / bs] * s.kv_heads + h) * slice_elems + (t % bs) * dim;
+  };
+
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    __m512bh q[kTile][kPairs];
+    for (int64_t w = 0; w < kTile; ++w)
+      for (int c = 0; c < kPairs; ++c) q[w][c] = load_pairs(&queries[(tile * kTile + w) * dim + c * 32]);
+    for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
+      const uint16_t* tokens = k_pool + (table[b] * s.kv_heads + h) * slice_elems;
+      for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
+        const int64_t n = std::min(kLanes, end - lo);
+        for (int64_t j = 0; j < n; ++j) {
+          const uint16_t* key = tokens + (lo + j - b * bs) * dim;
+          __m512bh k[kPairs];
+          for (int c = 0; c < kPairs; ++c) k[c] = load_pairs(key + c * 32);
+          for (int64_t w = 0; w < kTile; ++w) {
+            __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[w][0], k[0]);
+            for (int c = 1; c < kPairs; ++c) part = _mm512_dpbf16_ps(part, q[w][c], k[c]);
+            parts[w * kLanes + j] = (f32x16)part;
+          }
+        }
+        for (int64_t w = 0; w < kTile && tile * kTile + w < width; ++w) {
+          f32x16* of_slot = &parts[w * kLanes];
+          for (int64_t j = n; j < kLanes; ++j) of_slot[j] = f32x16{};
+          const f32x16 dots = sum_lanes_of_each(of_slot);
+          float* row = &scores[(tile * kTile + w) * length + (lo - first)];
+          for (int64_t j = 0; j < n; ++j) row[j] = round_bf16(dots[j]);
+        }
+      }
+    }
+  }
+
+  softmax_rows(scores.data(), length, span, query_pos, groups, h, scale, softcap, window, sinks, true);
+
+  // Values two keys at a time: lane d of a vector holds (v_t[d], v_t+1[d]), so one dot product
+  // with the pair (p_t, p_t+1) adds both keys' terms for 16 dims. An odd last key pairs with zeros.
+  alignas(64) uint16_t low_index[32], high_index[32];
+  for (int i = 0; i < 16; ++i) {
+    low_index[2 * i] = i, low_index[2 * i + 1] = 32 + i;
+    high_index[2 * i] = 16 + i, high_index[2 * i + 1] = 48 + i;
+  }
+  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    __m512 a[kTile][CH];
+    for (int64_t w = 0; w < kTile; ++w)
+      for (int c = 0; c < CH; ++c) a[w][c] = _mm512_setzero_ps();
+    for (int64_t t = first; t <= max_pos; t += 2) {
+      const bool pair = t + 1 <= max_pos;
+      const uint16_t* va = token_row(v_pool, t);
+      const uint16_t* vb = pair ? token_row(v_pool, t + 1) : nullptr;
+      __m512bh v[CH];
+      for (int c = 0; c < kPairs; ++c) {
+        const __m512i x = _mm512_loadu_si512(va + c * 32);
+        const __m512i y = pair ? _mm512_loadu_si512(vb + c * 32) : _mm512_setzero_si512();
+        v[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x, low, y);
+        v[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x, high, y);
+      }
+      for (int64_t w = 0; w < kTile; ++w) {
+        const float* row = &scores[(tile * kTile + w) * length + (t - first)];
+        const float pa = row[0], pb = pair ? row[1] : 0.0f;
+        if (pa == 0.0f && pb == 0.0f) continue;
+        uint32_t bits_a, bits_b;  // probabilities are bfloat16 values already: their high halves
+        std::memcpy(&bits_a, &pa, sizeof(bits_a));
+        std::memcpy(&bits_b, &pb, sizeof(bits_b));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>((bits_b & 0xffff0000u) | (bits_a >> 16)));
+        for (int c = 0; c < CH; ++c) a[w][c] = _mm512_dpbf16_ps(a[w][c], v[c], p);
+      }
+    }
+    for (int64_t w = 0; w < kTile; ++w)
+      for (int c = 0; c < CH; ++c) acc[(tile * kTile + w) * CH + c] = (f32x16)a[w][c];
+  }
+  store_outputs(out, reinterpret_cast<const float*>(acc.data()), s, token_index, nq, h);
+}
+#endif
+
 // The compiled lane-group counts: head dims 64, 80, 96, 128, 256 (and 16, 32); false for others,
 // and everywhere without AVX-512: with 16 AVX2 registers a tile's accumulators spill and the
 // reduction's cross-lane shuffles are emulated (2x slower than the plain loops, measured).
@@ -369,6 +480,21 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
                   float softcap, int64_t window, const float* sinks) {
 #if !defined(__AVX512F__)
   return false;
+#endif
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == 2 && sizeof(Q) == 2) {
+    switch (head_dim) {
+#define RAYSAMPLE_BF16_DOT(CH)                                                                                    \
+  case 16 * CH:                                                                                                   \
+    attend_row_head_bf16_dot<CH>(q_all, out, k_pool, v_pool, s, table, token_index, query_pos, h, scale, softcap, \
+                                 window, sinks);                                                                 \
+    return true;
+      RAYSAMPLE_BF16_DOT(2) RAYSAMPLE_BF16_DOT(4) RAYSAMPLE_BF16_DOT(6) RAYSAMPLE_BF16_DOT(8) RAYSAMPLE_BF16_DOT(16)
+#undef RAYSAMPLE_BF16_DOT
+      default:
+        break;
+    }
+  }
 #endif
   switch (head_dim) {
 #define RAYSAMPLE_LANES(CH)                                                                                       \
@@ -389,6 +515,15 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
 extern "C" {
 
 int raysample_abi_version() { return 3; }
+
+// Whether bfloat16 queries and pools take the AVX512-BF16 dot-product path (head dims of 32k).
+int raysample_bf16_dot_product() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // A step's new K and V rows into their cache slots, one call per layer for both (what two
 // index_copy_ calls and a contiguous copy of V did). k, v: token t, head h at
