@@ -381,12 +381,23 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def _owner_for(self, request: Request) -> int | None:
-        """Pinned owner (n > 1 siblings) or the least loaded live worker with a free row."""
-        candidates = [request.pinned_owner] if request.pinned_owner is not None else sorted(self.alive)
-        candidates = [w for w in candidates if w in self.alive and self.load[w] < self.rows_per_worker]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: (self.load[w], -self.kv.pools[w].num_free, w))
+        """Pinned owner (n > 1 siblings) or the least loaded live worker with a free row: fewest
+        running requests, then most free blocks, then the lowest id. One pass without building
+        candidate lists: a step that admits a wave asks this once per request."""
+        load, limit = self.load, self.rows_per_worker
+        if request.pinned_owner is not None:
+            owner = request.pinned_owner
+            return owner if owner in self.alive and load[owner] < limit else None
+        best, best_load, best_free = None, 0, 0
+        pools = self.kv.pools
+        for worker in sorted(self.alive) if len(self.alive) != len(load) else range(len(load)):
+            running = load[worker]
+            if running >= limit or (best is not None and running > best_load):
+                continue
+            free = pools[worker].num_free
+            if best is None or running < best_load or free > best_free:
+                best, best_load, best_free = worker, running, free
+        return best
 
 
 def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
