@@ -22,3 +22,12 @@ def test_scale_out_quick_runs_simulated_workers_on_ray():
                            done.stdout, re.M)
     assert len(fractions) == 4 and fractions[0][1:3] == fractions[1][1:3] == ("100.0", "100.0"), done.stdout
     assert "own-core step" in done.stdout and "of it ahead" in done.stdout and "stragglers" in done.stdout
+
+
+def test_cpu_ops_bench_times_the_linears_and_finds_the_native_ops_exact_on_the_real_model():
+    done = subprocess.run([sys.executable, "bench/cpu_ops.py", "--rows", "2", "--position", "8", "--repeats", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    timings = re.findall(r"^  (inside the model|back to back|weights hot) +[\d.]+ ms +\d+ GFLOP/s$", done.stdout, re.M)
+    assert timings == ["inside the model", "back to back", "weights hot"], done.stdout
+    assert "logits identical: True" in done.stdout or "not built here" in done.stdout, done.stdout

@@ -1,0 +1,138 @@
+"""Where a CPU decode step of the real model goes, and what the exact native ops save.
+
+SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows at ``--position``:
+- **linears**: the step's prepacked linear layers timed inside the model's forward, then the same
+  layers back to back on inputs of the same shapes (nothing between them), then each repeated with
+  its weights hot in cache; GFLOP/s of each. When the three agree, the linears run at their own
+  speed and the rest of the step is the other ops;
+- **exact ops**: the forward with and without the native RMSNorm and rotary embedding
+  (``workers/exact_ops.py``): two runners of the same weights, alternating in one process (this
+  machine's speed drifts between runs), medians, and whether their logits are identical.
+
+    python bench/cpu_ops.py [--dtype bfloat16] [--position 200] [--rows 64] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from workers import exact_ops  # noqa: E402
+from workers.cpu_linear import PrepackedLinear  # noqa: E402
+from workers.model_runner import ModelRunner  # noqa: E402
+from workers.model_source import gguf_to_transformers, preset_gguf  # noqa: E402
+from workers.row_work import RowWork  # noqa: E402
+
+
+def decode_rows(runner: ModelRunner, rows: int, position: int) -> list[RowWork]:
+    """Prefill ``rows`` prompts of ``position`` tokens, then one decode token each."""
+    blocks = (position + 64) // runner.block_size + 1
+    prompts = [RowWork(block_table=list(range(i * blocks, (i + 1) * blocks)), token_ids=list(range(1, position + 1)),
+                       start_pos=0) for i in range(rows)]
+    runner.forward(prompts)
+    return [RowWork(block_table=p.block_table, token_ids=[5], start_pos=position + i % 7, decode=True)
+            for i, p in enumerate(prompts)]
+
+
+def linears(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
+    order: list[PrepackedLinear] = []
+    layers = [m for m in runner.model.modules() if isinstance(m, PrepackedLinear)]
+    hooks = [m.register_forward_pre_hook(lambda module, *_: order.append(module)) for m in layers]
+    runner.forward(step)
+    for hook in hooks:
+        hook.remove()
+    rows = len(step)
+    inputs = [torch.randn(rows, m.in_features).to(runner.dtype) for m in order]
+    flops = sum(2 * rows * m.in_features * m.out_features for m in order)
+    inside: list[float] = []
+    started: list[float] = []
+    total = [0.0]
+
+    def enter(*_):
+        started.append(time.perf_counter())
+
+    def leave(*_):
+        total[0] += time.perf_counter() - started.pop()
+
+    timings: dict[str, list[float]] = {"inside the model": inside, "back to back": [], "weights hot": []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            hooks = [m.register_forward_pre_hook(enter) for m in order] + [m.register_forward_hook(leave) for m in order]
+            total[0] = 0.0
+            runner.forward(step)
+            inside.append(total[0])
+            for hook in hooks:
+                hook.remove()
+            start = time.perf_counter()
+            for layer, x in zip(order, inputs):
+                layer(x)
+            timings["back to back"].append(time.perf_counter() - start)
+        for layer, x in zip(order, inputs):
+            layer(x)
+        for _ in range(max(3, repeats // 3)):
+            spent = 0.0
+            for layer, x in zip(order, inputs):
+                layer(x)  # its weights now in cache
+                start = time.perf_counter()
+                layer(x)
+                spent += time.perf_counter() - start
+            timings["weights hot"].append(spent)
+    print(f"{len(order)} linear layers a step, {flops / 1e9:.1f} GFLOP for {rows} rows:")
+    for name, seconds in timings.items():
+        median = statistics.median(seconds)
+        print(f"  {name:18s} {median * 1e3:7.1f} ms  {flops / median / 1e9:5.0f} GFLOP/s")
+
+
+def exact_ops_saving(model_dir: Path, dtype: str, rows: int, position: int, repeats: int) -> None:
+    if not exact_ops.available():
+        print("exact native ops: not built here (no C++ compiler)")
+        return
+    available = exact_ops.available
+    runners = {"with the native ops": ModelRunner(model_dir, "cpu", dtype=dtype, max_model_len=1024, max_rows=rows,
+                                                  verify=False)}
+    exact_ops.available = lambda: False  # the second runner keeps torch's ops
+    try:
+        runners["torch's ops"] = ModelRunner(model_dir, "cpu", dtype=dtype, max_model_len=1024, max_rows=rows,
+                                             verify=False)
+    finally:
+        exact_ops.available = available
+    steps = {name: decode_rows(runner, rows, position) for name, runner in runners.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    logits: dict[str, torch.Tensor] = {}
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            logits[name] = runner.forward(steps[name])
+            seconds[name].append(time.perf_counter() - start)
+    print(f"a {rows}-row decode forward at position {position}, alternating:")
+    for name, spent in seconds.items():
+        print(f"  {name:20s} median {statistics.median(spent) * 1e3:6.1f} ms  (min {min(spent) * 1e3:.1f})")
+    same = torch.equal(*logits.values())
+    print(f"  logits identical: {same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--position", type=int, default=200)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    model_dir = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows, verify=False)
+    linears(runner, decode_rows(runner, args.rows, args.position), args.repeats)
+    del runner
+    exact_ops_saving(model_dir, args.dtype, args.rows, args.position, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
