@@ -52,7 +52,7 @@ def _probe_tokens(runner: ProbedRunner) -> list[int]:
 
 _PROBED_SOURCES = ("model_runner.py", "model_support.py", "attention_probe.py", "row_work.py", "paged_attention.py", "native_attention.py",
                    "decode_layout.py", "native/paged_decode.cpp", "tensor_parallel.py", "cpu_fusion.py",
-                   "exact_ops.py", "native/exact_ops.cpp")
+                   "exact_ops.py", "native/exact_ops.cpp", "native/bfloat16.h")
 
 
 def probe_key(runner: ProbedRunner, model_path: str | Path, trust_remote_code: bool) -> str | None:

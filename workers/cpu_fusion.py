@@ -2,7 +2,7 @@
 
 On CPU a step's time outside the matmuls goes to many small ops and to memory traffic on big
 prefill activations (measured on SmolLM2-135M: a 2,048-token prefill spent 1.8 s of 5.8 s in
-elementwise ops). Three swaps, each made only where it is exact:
+elementwise ops). Four swaps, each made only where it is exact:
 
 - q/k/v projections that read the same input become one matmul whose output is split
   (``SharedInputLinears``); gate/up likewise;

@@ -32,13 +32,15 @@ def _cpu_signature() -> str:
 
 
 def library_path(source: Path, flags: list[str]) -> Path:
-    """Where the build of this source, these flags and this CPU lives.
+    """Where the build of this source (with the headers beside it), these flags and this CPU lives.
 
     ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
     package) the user's cache.
     """
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), platform.machine().encode(), _cpu_signature().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), platform.machine().encode(),
+                 _cpu_signature().encode()):
         digest.update(part)
     folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or source.parent / "build")
     if "RAYSAMPLE_KERNEL_DIR" not in os.environ and not os.access(source.parent, os.W_OK):

@@ -8,24 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bfloat16.h"
+
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &word, sizeof(out));
-  return out;
-}
+using raysample::bf16_to_float;
 
-// torch's float -> bfloat16: round to nearest, ties to even. A NaN stays a NaN without torch's
-// test for it: every NaN in these ops comes from a bfloat16 input or is the CPU's default NaN of
-// an invalid operation, so its low 16 bits are zero and adding the rounding bias cannot carry
-// into its exponent (a float32 NaN with a payload there could; none reaches these roundings).
-inline uint16_t float_to_bf16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
+// torch's float -> bfloat16. A NaN stays a NaN without torch's test for it: every NaN in these ops
+// comes from a bfloat16 input or is the CPU's default NaN of an invalid operation, so its low 16
+// bits are zero and adding the rounding bias cannot carry into its exponent (a float32 NaN with a
+// payload there could; none reaches these roundings).
+inline uint16_t float_to_bf16(float value) { return raysample::bf16_bits(value); }
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return bf16_to_float(*p); }

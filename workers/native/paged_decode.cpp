@@ -13,28 +13,20 @@
 #include <limits>
 #include <vector>
 
+#include "bfloat16.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &word, sizeof(out));
-  return out;
-}
+using raysample::bf16_bits;
+using raysample::bf16_to_float;
 
 // Round to the nearest bfloat16 (ties to even), kept as float: with a bfloat16 cache, scores and
 // probabilities are rounded where eager attention's bfloat16 matmuls round them.
-inline float round_bf16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  word = (word + 0x7fffu + ((word >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
+inline float round_bf16(float value) { return bf16_to_float(bf16_bits(value)); }
 
 // A pool element as float32: float32 pools are read as they are, bfloat16 ones widened in the
 // inner loops (a shift, which vectorizes), so a bfloat16 cache is read at half the bytes.
@@ -47,10 +39,7 @@ inline void store(uint16_t* into, float value) {  // round to nearest even, as t
     *into = 0x7fc0u;
     return;
   }
-  const float rounded = round_bf16(value);
-  uint32_t word;
-  std::memcpy(&word, &rounded, sizeof(word));
-  *into = static_cast<uint16_t>(word >> 16);
+  *into = bf16_bits(value);
 }
 
 // exp(x) for x <= 0 as a loop of plain arithmetic, so that the softmax's loop vectorizes (a call
@@ -481,30 +470,27 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
 #if !defined(__AVX512F__)
   return false;
 #endif
+#define RAYSAMPLE_CASE(KERNEL, CH)                                                                           \
+  case 16 * CH:                                                                                            \
+    KERNEL<CH>(q_all, out, k_pool, v_pool, s, table, token_index, query_pos, h, scale, softcap, window, sinks); \
+    return true;
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == 2 && sizeof(Q) == 2) {
     switch (head_dim) {
-#define RAYSAMPLE_BF16_DOT(CH)                                                                                    \
-  case 16 * CH:                                                                                                   \
-    attend_row_head_bf16_dot<CH>(q_all, out, k_pool, v_pool, s, table, token_index, query_pos, h, scale, softcap, \
-                                 window, sinks);                                                                 \
-    return true;
-      RAYSAMPLE_BF16_DOT(2) RAYSAMPLE_BF16_DOT(4) RAYSAMPLE_BF16_DOT(6) RAYSAMPLE_BF16_DOT(8) RAYSAMPLE_BF16_DOT(16)
-#undef RAYSAMPLE_BF16_DOT
+      RAYSAMPLE_CASE(attend_row_head_bf16_dot, 2) RAYSAMPLE_CASE(attend_row_head_bf16_dot, 4)
+      RAYSAMPLE_CASE(attend_row_head_bf16_dot, 6) RAYSAMPLE_CASE(attend_row_head_bf16_dot, 8)
+      RAYSAMPLE_CASE(attend_row_head_bf16_dot, 16)
       default:
         break;
     }
   }
 #endif
   switch (head_dim) {
-#define RAYSAMPLE_LANES(CH)                                                                                       \
-  case 16 * CH:                                                                                                   \
-    attend_row_head_lanes<CH>(q_all, out, k_pool, v_pool, s, table, token_index, query_pos, h, scale, softcap, \
-                              window, sinks);                                                                    \
-    return true;
-    RAYSAMPLE_LANES(1) RAYSAMPLE_LANES(2) RAYSAMPLE_LANES(4) RAYSAMPLE_LANES(5) RAYSAMPLE_LANES(6)
-    RAYSAMPLE_LANES(8) RAYSAMPLE_LANES(16)
-#undef RAYSAMPLE_LANES
+    RAYSAMPLE_CASE(attend_row_head_lanes, 1) RAYSAMPLE_CASE(attend_row_head_lanes, 2)
+    RAYSAMPLE_CASE(attend_row_head_lanes, 4) RAYSAMPLE_CASE(attend_row_head_lanes, 5)
+    RAYSAMPLE_CASE(attend_row_head_lanes, 6) RAYSAMPLE_CASE(attend_row_head_lanes, 8)
+    RAYSAMPLE_CASE(attend_row_head_lanes, 16)
+#undef RAYSAMPLE_CASE
     default:
       return false;
   }
