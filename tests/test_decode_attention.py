@@ -232,3 +232,40 @@ def test_native_kv_write_matches_index_copy(dtype):
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     with pytest.raises(ValueError, match="do not match"):
         native_attention.write_kv(key, value, pools[0], pools[1], slots[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_output_does_not_depend_on_threads_or_how_rows_split(dtype):
+    """Threads take contiguous runs of (row, KV head) tasks of about equal work and prefetch the
+    next ones: every task's output is the same bit for bit whatever the number of threads (more
+    threads than tasks included), with rows of very different lengths and a row of padding only."""
+    generator = torch.Generator().manual_seed(0)
+    block_size, dim, kv_heads, groups = 4, 64, 3, 3
+    lengths = [1, 97, 3, 40, 200, 2, 64, 9]
+    tables, offset = [], 0
+    for length in lengths:
+        blocks = -(-length // block_size)
+        tables.append(list(range(offset, offset + blocks)))
+        offset += blocks
+    order = torch.randperm(offset, generator=generator)  # blocks anywhere in the pool
+    k_pool = torch.randn(offset, kv_heads, block_size, dim, generator=generator).to(dtype)
+    v_pool = torch.randn(offset, kv_heads, block_size, dim, generator=generator).to(dtype)
+    block_tables = torch.zeros(len(lengths), max(len(t) for t in tables), dtype=torch.long)
+    for r, table in enumerate(tables):
+        block_tables[r, : len(table)] = order[table]
+    token_index = torch.arange(len(lengths)).view(-1, 1)
+    query_pos = torch.tensor(lengths).view(-1, 1) - 1
+    query_pos[5] = -1  # a row of padding: no real query, its output untouched
+    q_all = torch.randn(len(lengths), kv_heads * groups, dim, generator=generator).to(dtype)
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 64):
+            torch.set_num_threads(count)
+            out = torch.full_like(q_all, 7.0)
+            paged_decode(q_all, out, k_pool, v_pool, block_tables, token_index, query_pos, 0.125, None, None, None)
+            outputs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+    assert (outputs[0][5] == 7.0).all() and not (outputs[0][:5] == 7.0).any()

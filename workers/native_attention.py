@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
 # library it sets flush-to-zero for the whole process on load (tests/test_decode_attention.py).
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 __all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports", "write_kv"]
 

@@ -11,7 +11,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "bfloat16.h"
 
@@ -116,6 +121,63 @@ inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t wi
   span.first = window > 0 ? std::max<int64_t>(0, min_pos - window + 1) : 0;
   span.length = span.max_pos + 1 - span.first;
   return span;
+}
+
+// Prefetching: a row's blocks sit anywhere in the pool and the hardware prefetchers follow a stream
+// only within a 4 KiB page, so without this a decode step's reads wait on memory. Measured on
+// SmolLM2-135M's shapes, bfloat16, 64 rows at position 100: 30 layers' pools 15.9 -> 12.8 ms, the
+// kernel inside the model's forward 19.8 -> 13.4 ms; float32 12% less; one task ahead gained less.
+// A task is one row's queries against one KV head: `kTasksAhead` tasks on, its keys and values go
+// to L2 (prefetcht1) while this one computes; a thread's first tasks go to L1.
+constexpr int64_t kTasksAhead = 2;
+
+template <int Locality>
+inline void prefetch_task(const char* k_pool, const char* v_pool, int64_t element_size, const Shape& s,
+                          const int64_t* table, const int64_t* query_pos, int64_t h, int64_t window) {
+  const QuerySpan span = query_span(s, query_pos, window);
+  if (span.nq == 0) return;
+  // GCC counts prefetches as no effect, and would drop a call that has nothing else.
+  asm volatile("");
+  const int64_t slice_bytes = s.block_size * s.head_dim * element_size;
+  for (int64_t b = span.first / s.block_size; b <= span.max_pos / s.block_size; ++b) {
+    const int64_t offset = (table[b] * s.kv_heads + h) * slice_bytes;
+    for (int64_t o = 0; o < slice_bytes; o += kLine) {
+      __builtin_prefetch(k_pool + offset + o, 0, Locality);
+      __builtin_prefetch(v_pool + offset + o, 0, Locality);
+    }
+  }
+}
+
+// A thread's tasks: a contiguous run, so it knows which come next, with about equal work per
+// thread (queries x keys per row, plus a fixed part) whatever the rows' lengths.
+struct TaskRun {
+  int64_t begin = 0, end = 0;
+};
+
+inline TaskRun task_run(const Shape& s, const int64_t* query_pos, int64_t rows, int64_t window, int64_t thread,
+                        int64_t threads) {
+  const auto cost = [&](int64_t r) {
+    const QuerySpan span = query_span(s, query_pos + r * s.q_len, window);
+    return span.nq * span.length + 16;
+  };
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows; ++r) total += cost(r);
+  TaskRun run{rows * s.kv_heads, rows * s.kv_heads};
+  int64_t before = 0;  // work of the rows before r, times kv_heads
+  bool started = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c = cost(r);
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t owner = std::min(threads - 1, (before * threads) / (total * s.kv_heads));
+      if (owner == thread && !started) run.begin = r * s.kv_heads + h, started = true;
+      if (owner > thread) {
+        run.end = r * s.kv_heads + h;
+        return started ? run : TaskRun{};
+      }
+      before += c;
+    }
+  }
+  return started ? run : TaskRun{};
 }
 
 // One row's queries as float32, query slot (query, head of the group) by slot, head_dim apart.
@@ -500,7 +562,7 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
 
 extern "C" {
 
-int raysample_abi_version() { return 3; }
+int raysample_abi_version() { return 4; }
 
 // Whether bfloat16 queries and pools take the AVX512-BF16 dot-product path (head dims of 32k).
 int raysample_bf16_dot_product() {
@@ -544,28 +606,46 @@ void raysample_paged_decode(const void* q_all, int64_t q_token_stride, int64_t q
                             float scale, float softcap, int64_t window, const float* sinks, int threads) {
   const Shape s{heads, kv_heads, head_dim, block_size, table_width, q_len, q_token_stride, q_head_stride};
   const int64_t tasks = rows * kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t r = task / kv_heads, h = task % kv_heads;
-    const int64_t* table = block_tables + r * table_width;
-    const int64_t* row_tokens = token_index + r * q_len;
-    const int64_t* row_positions = query_pos + r * q_len;
-    const auto run = [&](auto* queries, auto* into) {
-      if (dtype == 0 && !lanes_kernel(head_dim, queries, into, static_cast<const float*>(k_pool),
-                                      static_cast<const float*>(v_pool), s, table, row_tokens, row_positions, h, scale,
-                                      softcap, window, sinks))
-        attend_row_head(queries, into, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
-                        row_tokens, row_positions, h, scale, softcap, window, sinks);
-      else if (dtype != 0 && !lanes_kernel(head_dim, queries, into, static_cast<const uint16_t*>(k_pool),
-                                           static_cast<const uint16_t*>(v_pool), s, table, row_tokens, row_positions,
-                                           h, scale, softcap, window, sinks))
-        attend_row_head(queries, into, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
-                        table, row_tokens, row_positions, h, scale, softcap, window, sinks);
-    };
-    if (q_dtype == 0)
-      run(static_cast<const float*>(q_all), static_cast<float*>(out));
-    else
-      run(static_cast<const uint16_t*>(q_all), static_cast<uint16_t*>(out));
+  const int64_t element_size = dtype == 0 ? 4 : 2;
+  const char* k_bytes = static_cast<const char*>(k_pool);
+  const char* v_bytes = static_cast<const char*>(v_pool);
+  const auto prefetch = [&](auto locality, int64_t task) {
+    prefetch_task<decltype(locality)::value>(k_bytes, v_bytes, element_size, s,
+                                             block_tables + (task / kv_heads) * table_width,
+                                             query_pos + (task / kv_heads) * q_len, task % kv_heads, window);
+  };
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks))))
+  {
+#if defined(_OPENMP)
+    const TaskRun mine = task_run(s, query_pos, rows, window, omp_get_thread_num(), omp_get_num_threads());
+#else
+    const TaskRun mine = task_run(s, query_pos, rows, window, 0, 1);
+#endif
+    for (int64_t task = mine.begin; task < std::min(mine.end, mine.begin + kTasksAhead); ++task)
+      prefetch(std::integral_constant<int, 3>{}, task);
+    for (int64_t task = mine.begin; task < mine.end; ++task) {
+      if (task + kTasksAhead < mine.end) prefetch(std::integral_constant<int, 2>{}, task + kTasksAhead);
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t* table = block_tables + r * table_width;
+      const int64_t* row_tokens = token_index + r * q_len;
+      const int64_t* row_positions = query_pos + r * q_len;
+      const auto run = [&](auto* queries, auto* into) {
+        if (dtype == 0 && !lanes_kernel(head_dim, queries, into, static_cast<const float*>(k_pool),
+                                        static_cast<const float*>(v_pool), s, table, row_tokens, row_positions, h, scale,
+                                        softcap, window, sinks))
+          attend_row_head(queries, into, static_cast<const float*>(k_pool), static_cast<const float*>(v_pool), s, table,
+                          row_tokens, row_positions, h, scale, softcap, window, sinks);
+        else if (dtype != 0 && !lanes_kernel(head_dim, queries, into, static_cast<const uint16_t*>(k_pool),
+                                             static_cast<const uint16_t*>(v_pool), s, table, row_tokens, row_positions,
+                                             h, scale, softcap, window, sinks))
+          attend_row_head(queries, into, static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool), s,
+                          table, row_tokens, row_positions, h, scale, softcap, window, sinks);
+      };
+      if (q_dtype == 0)
+        run(static_cast<const float*>(q_all), static_cast<float*>(out));
+      else
+        run(static_cast<const uint16_t*>(q_all), static_cast<uint16_t*>(out));
+    }
   }
 }
 }
