@@ -5,6 +5,9 @@ SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows
   layers back to back on inputs of the same shapes (nothing between them), then each repeated with
   its weights hot in cache; GFLOP/s of each. When the three agree, the linears run at their own
   speed and the rest of the step is the other ops;
+- **attention prefetch**: the forward with the decode-attention kernel prefetching each thread's
+  next tasks' keys and values, and without (alternating on one runner), the kernel's own time in
+  each, and whether the logits are identical;
 - **exact ops**: the forward with and without the native RMSNorm and rotary embedding
   (``workers/exact_ops.py``): two runners of the same weights, alternating in one process (this
   machine's speed drifts between runs), medians, and whether their logits are identical.
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import workers.paged_attention as paged  # noqa: E402
 from workers import exact_ops  # noqa: E402
 from workers.cpu_linear import PrepackedLinear  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
@@ -90,6 +94,41 @@ def linears(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
         print(f"  {name:18s} {median * 1e3:7.1f} ms  {flops / median / 1e9:5.0f} GFLOP/s")
 
 
+def attention_prefetch(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
+    kernel = paged.native_paged_decode
+    prefetch = [True]
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        kernel(*args, **kwargs, prefetch=prefetch[0])
+        spent[0] += time.perf_counter() - start
+
+    names = {True: "prefetching", False: "not prefetching"}
+    forward: dict[bool, list[float]] = {True: [], False: []}
+    attention: dict[bool, list[float]] = {True: [], False: []}
+    logits: dict[bool, torch.Tensor] = {}
+    paged.native_paged_decode = timed
+    try:
+        for _ in range(repeats):
+            for on in (True, False):
+                prefetch[0], spent[0] = on, 0.0
+                start = time.perf_counter()
+                logits[on] = runner.forward(step)
+                forward[on].append(time.perf_counter() - start)
+                attention[on].append(spent[0])
+    finally:
+        paged.native_paged_decode = kernel
+    if not spent[0]:
+        print("attention prefetch: the native decode kernel is not used here")
+        return
+    print(f"decode attention, {len(step)} rows (the kernel inside the forward), alternating:")
+    for on in (True, False):
+        print(f"  {names[on]:16s} forward {statistics.median(forward[on]) * 1e3:6.1f} ms, "
+              f"attention kernel {statistics.median(attention[on]) * 1e3:5.1f} ms (medians)")
+    print(f"  logits identical: {torch.equal(logits[True], logits[False])}")
+
+
 def exact_ops_saving(model_dir: Path, dtype: str, rows: int, position: int, repeats: int) -> None:
     if not exact_ops.available():
         print("exact native ops: not built here (no C++ compiler)")
@@ -129,7 +168,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows, verify=False)
-    linears(runner, decode_rows(runner, args.rows, args.position), args.repeats)
+    step = decode_rows(runner, args.rows, args.position)
+    linears(runner, step, args.repeats)
+    attention_prefetch(runner, step, args.repeats)
     del runner
     exact_ops_saving(model_dir, args.dtype, args.rows, args.position, args.repeats)
 

@@ -24,10 +24,15 @@ def test_scale_out_quick_runs_simulated_workers_on_ray():
     assert "own-core step" in done.stdout and "of it ahead" in done.stdout and "stragglers" in done.stdout
 
 
-def test_cpu_ops_bench_times_the_linears_and_finds_the_native_ops_exact_on_the_real_model():
+def test_cpu_ops_bench_times_the_linears_and_finds_prefetch_and_native_ops_exact_on_the_real_model():
     done = subprocess.run([sys.executable, "bench/cpu_ops.py", "--rows", "2", "--position", "8", "--repeats", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     timings = re.findall(r"^  (inside the model|back to back|weights hot) +[\d.]+ ms +\d+ GFLOP/s$", done.stdout, re.M)
     assert timings == ["inside the model", "back to back", "weights hot"], done.stdout
-    assert "logits identical: True" in done.stdout or "not built here" in done.stdout, done.stdout
+    assert "logits identical: False" not in done.stdout, done.stdout
+    prefetch = re.findall(r"^  (prefetching|not prefetching) +forward +[\d.]+ ms, attention kernel +[\d.]+ ms",
+                          done.stdout, re.M)
+    assert prefetch == ["prefetching", "not prefetching"] or "kernel is not used here" in done.stdout, done.stdout
+    sections = bool(prefetch) + ("not built here" not in done.stdout)  # each compares logits
+    assert done.stdout.count("logits identical: True") == sections, done.stdout

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
 # library it sets flush-to-zero for the whole process on load (tests/test_decode_attention.py).
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 __all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports", "write_kv"]
 
@@ -47,7 +47,7 @@ def _library() -> ctypes.CDLL:
     fn = library.raysample_paged_decode
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [p, i64, i64, p, ctypes.c_int, p, p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, p, i64, i64,
-                   f32, f32, i64, p, ctypes.c_int]
+                   f32, f32, i64, p, ctypes.c_int, ctypes.c_int]
     fn.restype = None
     library.raysample_write_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64]
     library.raysample_write_kv.restype = None
@@ -91,7 +91,7 @@ def check_indices(block_tables: torch.Tensor, token_index: torch.Tensor, query_p
 def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, scale: float,
                  softcap: float | None, window: int | None, sinks: torch.Tensor | None,
-                 indices_checked: bool = False) -> None:
+                 indices_checked: bool = False, prefetch: bool = True) -> None:
     """Write the attention output of every real query into ``out[token_index]``.
 
     ``q_all`` ``(N, heads, d)`` and ``out`` (contiguous, same shape and dtype) in float32 or
@@ -99,7 +99,8 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
     ``(blocks, kv_heads, block_size, d)``; ``block_tables`` int64 ``(rows, width)``; ``token_index``
     and ``query_pos`` int64 ``(rows, q_len)``, padding queries last with position -1.
     ``indices_checked``: the caller ran ``check_indices`` for this pool and step (the model runner
-    does once per step, not once per layer).
+    does once per step, not once per layer). ``prefetch``: False only to measure what the kernel's
+    prefetching saves (``bench/cpu_ops.py``); the output is the same.
     """
     if q_all.dtype not in DTYPE_CODES:
         raise ValueError(f"queries must be float32 or bfloat16, not {q_all.dtype}")
@@ -126,7 +127,7 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
         k_pool.data_ptr(), v_pool.data_ptr(), DTYPE_CODES[k_pool.dtype], heads, kv_heads, dim, block_size,
         block_tables.data_ptr(), block_tables.shape[1], token_index.data_ptr(), query_pos.data_ptr(), rows, q_len,
         scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), int(prefetch),
     )
 
 

@@ -562,7 +562,7 @@ bool lanes_kernel(int64_t head_dim, const Q* q_all, Q* out, const T* k_pool, con
 
 extern "C" {
 
-int raysample_abi_version() { return 4; }
+int raysample_abi_version() { return 5; }
 
 // Whether bfloat16 queries and pools take the AVX512-BF16 dot-product path (head dims of 32k).
 int raysample_bf16_dot_product() {
@@ -599,17 +599,19 @@ void raysample_write_kv(const void* k, int64_t k_token_stride, int64_t k_head_st
 // 0 float32, 1 bfloat16.
 // block_tables: int64 (rows, table_width); token_index, query_pos: int64 (rows, q_len), padding
 // queries last with position -1. softcap <= 0: none; window <= 0: none; sinks: float32 (heads,) or null.
+// prefetch: 0 only to measure what prefetching saves (the output is the same either way).
 void raysample_paged_decode(const void* q_all, int64_t q_token_stride, int64_t q_head_stride, void* out, int q_dtype,
                             const void* k_pool, const void* v_pool, int dtype, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, int64_t block_size, const int64_t* block_tables, int64_t table_width,
                             const int64_t* token_index, const int64_t* query_pos, int64_t rows, int64_t q_len,
-                            float scale, float softcap, int64_t window, const float* sinks, int threads) {
+                            float scale, float softcap, int64_t window, const float* sinks, int threads,
+                            int prefetch) {
   const Shape s{heads, kv_heads, head_dim, block_size, table_width, q_len, q_token_stride, q_head_stride};
   const int64_t tasks = rows * kv_heads;
   const int64_t element_size = dtype == 0 ? 4 : 2;
   const char* k_bytes = static_cast<const char*>(k_pool);
   const char* v_bytes = static_cast<const char*>(v_pool);
-  const auto prefetch = [&](auto locality, int64_t task) {
+  const auto fetch = [&](auto locality, int64_t task) {
     prefetch_task<decltype(locality)::value>(k_bytes, v_bytes, element_size, s,
                                              block_tables + (task / kv_heads) * table_width,
                                              query_pos + (task / kv_heads) * q_len, task % kv_heads, window);
@@ -621,10 +623,10 @@ void raysample_paged_decode(const void* q_all, int64_t q_token_stride, int64_t q
 #else
     const TaskRun mine = task_run(s, query_pos, rows, window, 0, 1);
 #endif
-    for (int64_t task = mine.begin; task < std::min(mine.end, mine.begin + kTasksAhead); ++task)
-      prefetch(std::integral_constant<int, 3>{}, task);
+    for (int64_t task = mine.begin; prefetch && task < std::min(mine.end, mine.begin + kTasksAhead); ++task)
+      fetch(std::integral_constant<int, 3>{}, task);
     for (int64_t task = mine.begin; task < mine.end; ++task) {
-      if (task + kTasksAhead < mine.end) prefetch(std::integral_constant<int, 2>{}, task + kTasksAhead);
+      if (prefetch && task + kTasksAhead < mine.end) fetch(std::integral_constant<int, 2>{}, task + kTasksAhead);
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t* table = block_tables + r * table_width;
       const int64_t* row_tokens = token_index + r * q_len;
