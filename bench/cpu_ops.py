@@ -36,10 +36,11 @@ from workers.row_work import RowWork  # noqa: E402
 
 
 def decode_rows(runner: ModelRunner, rows: int, position: int) -> list[RowWork]:
-    """Prefill ``rows`` prompts of ``position`` tokens, then one decode token each."""
+    """Prefill ``rows`` prompts of ``position`` tokens, then one decode token each. Each row's blocks
+    are scattered over the pool, as an engine's free list leaves them once requests come and go."""
     blocks = (position + 64) // runner.block_size + 1
-    prompts = [RowWork(block_table=list(range(i * blocks, (i + 1) * blocks)), token_ids=list(range(1, position + 1)),
-                       start_pos=0) for i in range(rows)]
+    ids = torch.randperm(rows * blocks, generator=torch.Generator().manual_seed(0)).view(rows, blocks).tolist()
+    prompts = [RowWork(block_table=ids[i], token_ids=list(range(1, position + 1)), start_pos=0) for i in range(rows)]
     runner.forward(prompts)
     return [RowWork(block_table=p.block_table, token_ids=[5], start_pos=position + i % 7, decode=True)
             for i, p in enumerate(prompts)]

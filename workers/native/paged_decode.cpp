@@ -124,9 +124,11 @@ inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t wi
 }
 
 // Prefetching: a row's blocks sit anywhere in the pool and the hardware prefetchers follow a stream
-// only within a 4 KiB page, so without this a decode step's reads wait on memory. Measured on
-// SmolLM2-135M's shapes, bfloat16, 64 rows at position 100: 30 layers' pools 15.9 -> 12.8 ms, the
-// kernel inside the model's forward 19.8 -> 13.4 ms; float32 12% less; one task ahead gained less.
+// only within a 4 KiB page, so without this a decode step's reads wait on memory. On SmolLM2-135M's
+// shapes, 64 rows, blocks scattered, with and without alternating: the kernel alone over 30 layers'
+// pools at position 100, bfloat16 15.9 -> 12.8 ms (float32 12% less; one task ahead gained less);
+// inside the model's forward at position 200 (bench/cpu_ops.py), where the linears' weight reads
+// share the memory bandwidth, bfloat16 25.8 -> 23.1 ms and float32 38.9 -> 36.1 ms.
 // A task is one row's queries against one KV head: `kTasksAhead` tasks on, its keys and values go
 // to L2 (prefetcht1) while this one computes; a thread's first tasks go to L1.
 constexpr int64_t kTasksAhead = 2;
