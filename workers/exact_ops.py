@@ -46,12 +46,7 @@ def _library() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    try:
-        _library()
-        return True
-    except NativeKernelUnavailable as exc:
-        logger.warning("exact native RMSNorm/rotary unavailable, using torch's ops: %s", exc)
-        return False
+    return native_build.loads(_library, "exact native RMSNorm/rotary unavailable, using torch's ops")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -10,7 +10,6 @@ torch path (``available()`` is False).
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import torch
 from workers import native_build
 from workers.native_build import NativeKernelUnavailable
 
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "paged_decode.cpp"
 # Reassociation lets dot products reduce as a tree, but never -ffast-math: linked into a shared
@@ -60,12 +58,7 @@ def load() -> None:
 
 
 def available() -> bool:
-    try:
-        load()
-        return True
-    except NativeKernelUnavailable as exc:
-        logger.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
-        return False
+    return native_build.loads(load, "native CPU decode attention unavailable, using the torch path")
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -9,16 +9,28 @@ never loaded.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
 class NativeKernelUnavailable(RuntimeError):
     """A kernel could not be built or loaded here (no compiler, or the build failed)."""
+
+
+def loads(load: Callable[[], object], fallback: str) -> bool:
+    """Whether ``load`` builds and loads a kernel here; if not, logs why and what runs instead."""
+    try:
+        load()
+        return True
+    except NativeKernelUnavailable as exc:
+        logging.getLogger(load.__module__).warning("%s: %s", fallback, exc)
+        return False
 
 
 def _cpu_signature() -> str:
