@@ -8,7 +8,7 @@ says which values an added request brings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,28 +35,71 @@ class RowColumns:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.arrays[name]
 
-    def _reset(self, row: int) -> None:
-        for name, array in self.arrays.items():
-            array[row] = self.defaults[name]
+    def _reset(self, rows: list[int]) -> None:
+        if rows:
+            for name, array in self.arrays.items():
+                array[rows] = self.defaults[name]
 
     def update(self, batch_update: BatchUpdate | None, values_of_added: ValuesOfAdded) -> bool:
-        """Apply removes, adds, moves; return whether any row's values changed."""
+        """Apply removes, adds, moves; return whether any row's values changed.
+
+        Removes and adds go column by column, not row by row: a step that admits a wave of
+        requests (a thousand rows on a 16-GPU engine) adds them all here, on every worker."""
         if batch_update is None:
             return False
-        for row in batch_update.removed:
-            self._reset(row)
-        for row, params, prompt, output in batch_update.added:
-            values = values_of_added(params, prompt, output)
-            self._reset(row)
-            for name, value in (values or {}).items():
-                self.arrays[name][row] = value
-        for a, b, direction in batch_update.moved:
-            for name, array in self.arrays.items():
-                value_a = array[a]
-                array[a] = array[b] if direction == MoveDirectionality.SWAP else self.defaults[name]
-                array[b] = value_a
+        self._reset(list(batch_update.removed))
+        added = batch_update.added
+        rows = [row for row, *_ in added]
+        if len(set(rows)) != len(rows):  # a row added twice in one update: the later add wins, as one by one
+            for row, params, prompt, output in added:
+                self._set([row], [values_of_added(params, prompt, output)])
+        else:
+            self._set(rows, [values_of_added(params, prompt, output) for _, params, prompt, output in added])
+        self._move(batch_update.moved)
         self.batch_size = batch_update.batch_size
         return True
+
+    def _move(self, moved: list[tuple[int, int, MoveDirectionality]]) -> None:
+        """The moves, in order, as one gather per column: regrouping rows by worker after a wave
+        moves hundreds of them."""
+        if not moved:
+            return
+        source: dict[int, int] = {}  # row -> the row whose value it holds now; -1: the defaults
+        for a, b, direction in moved:
+            held_a, held_b = source.get(a, a), source.get(b, b)
+            source[b] = held_a
+            source[a] = held_b if direction == MoveDirectionality.SWAP else -1
+        rows = list(source)
+        sources = np.fromiter(source.values(), dtype=np.int64, count=len(rows))
+        emptied = sources < 0
+        for name, array in self.arrays.items():
+            values = array[np.where(emptied, 0, sources)]
+            values[emptied] = self.defaults[name]
+            array[rows] = values
+
+    def _set(self, rows: list[int], values: list[dict[str, Any] | None]) -> None:
+        """Reset ``rows`` (distinct), then give each the values its added request brings."""
+        self._reset(rows)
+        names = list(values[0]) if values and values[0] else None
+        if names is not None and all(row_values is not None and list(row_values) == names for row_values in values):
+            # every row names the same columns (the usual case): one column at a time
+            for name, column in zip(names, zip(*(row_values.values() for row_values in values))):
+                self._assign(name, rows, column)
+            return
+        by_column: dict[str, tuple[list[int], list[Any]]] = {}
+        for row, row_values in zip(rows, values):
+            for name, value in (row_values or {}).items():
+                column_rows, column_values = by_column.setdefault(name, ([], []))
+                column_rows.append(row)
+                column_values.append(value)
+        for name, (column_rows, column_values) in by_column.items():
+            self._assign(name, column_rows, column_values)
+
+    def _assign(self, name: str, rows: list[int], values: Sequence[Any]) -> None:
+        array = self.arrays[name]
+        if array.dtype == object:  # a list value stays one element, not an axis
+            values = np.fromiter(values, dtype=object, count=len(rows))
+        array[rows] = values
 
 
 # Work on at most this many bytes of logits at once: temporaries stay in cache
