@@ -26,6 +26,7 @@ owner runs short of blocks runs step 1 per request, which preempts.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -188,6 +189,7 @@ class Scheduler:
         rows = len(active)
         admitted = []
         preempted_ids = {r.request_id for r in out.preempted}
+        picker = LeastLoaded(self) if self.waiting else None
         for request in list(self.waiting):
             if budget <= 0 or rows >= self.max_num_seqs:
                 break
@@ -197,14 +199,18 @@ class Scheduler:
                 continue  # suspects of an engine failure run apart from everyone else
             if request.request_id in preempted_ids or not request.admissible():
                 break
-            owner = self._owner_for(request)
+            owner = self._owner_for(request) if request.pinned_owner is not None else picker.pick()
             if owner is None:
                 break
             if request.kv is None or request.kv_owner != owner:
+                held_by = request.kv_owner
                 self.drop_kv(request)
+                if held_by is not None:
+                    picker.touched(held_by)  # its blocks came free
                 request.kv = self.kv.start(owner, request.all_token_ids(), request.cache_salt(self.kv.prefix_caching))
                 request.kv_owner = owner
             request.owner = owner
+            picker.touched(owner)
             chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget))
             if chunk == 0:
                 request.owner = None
@@ -217,6 +223,7 @@ class Scheduler:
             out.start[slot] = request.kv.num_computed
             out.num_tokens[slot] = chunk
             self._extend(request, out)
+            picker.touched(owner)
             out.new_blocks[slot] = list(request.kv.block_table)  # the worker's table starts empty
             budget -= chunk
             rows += 1
@@ -398,6 +405,39 @@ class Scheduler:
             if best is None or running < best_load or free > best_free:
                 best, best_load, best_free = worker, running, free
         return best
+
+
+class LeastLoaded:
+    """``Scheduler._owner_for``'s choice for requests without a pinned owner, from a heap.
+
+    A step that admits a wave asks for an owner once per request, and a scan costs O(workers)
+    each time (a 64-worker engine admitting 4,096 rows: 260,000 visits). Keys are (running
+    requests, -free blocks, worker id): the scan's order. Only the workers the admission loop
+    touches change, and it says which (``touched``); an entry whose key is no longer its
+    worker's is skipped when it comes up."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.heap = [self._key(worker) for worker in sorted(scheduler.alive)]
+        heapq.heapify(self.heap)
+
+    def _key(self, worker: int) -> tuple[int, int, int]:
+        return self.scheduler.load[worker], -self.scheduler.kv.pools[worker].num_free, worker
+
+    def touched(self, worker: int) -> None:
+        """``worker``'s load or free blocks may have changed."""
+        if worker in self.scheduler.alive:
+            heapq.heappush(self.heap, self._key(worker))
+
+    def pick(self) -> int | None:
+        limit = self.scheduler.rows_per_worker
+        while self.heap:
+            key = self.heap[0]
+            if key != self._key(key[2]):
+                heapq.heappop(self.heap)  # stale: the worker's key now was pushed when it changed
+                continue
+            return key[2] if key[0] < limit else None  # the least loaded is full: so is everyone
+        return None
 
 
 def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
