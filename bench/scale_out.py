@@ -98,7 +98,8 @@ class Run:
         parts = {"step (as measured)": ms("wall_s"), "coordinator CPU": ms("coordinator_cpu_s"),
                  "fan-out + gather": 1000 * self.round_trip_s, "slowest worker CPU": ms("worker_cpu_s"),
                  "modelled compute": ms("simulated_s"), "of it ahead": ms("ahead_s"),
-                 "worker CPU overlapped": ms("overlap_cpu_s"), "stragglers": ms("straggler_s")}
+                 "worker CPU overlapped": ms("overlap_cpu_s"),
+                 "replicas updated, during forward": ms("update_cpu_s"), "stragglers": ms("straggler_s")}
         own = sum(self.own_core_seconds(p) for p in self.profiles) / steps * 1000
         parts["coord.: W calls"] = 1000 * self.calls_cpu_s
         parts["own-core step"] = own

@@ -7,12 +7,16 @@ the contention; their CPU times do not.
 A step on cores of their own: each worker's host CPU on the critical path, then its compute;
 in the pipelined step the forward launched ahead runs while the coordinator accepts and plans
 (its CPU ``C``), the plan crosses to the worker and back (the idle round trip ``RT``) and the
-worker applies it (its overlapped CPU), so that part costs the longer of the two:
+worker applies it to its mirror (its overlapped CPU ``O``). Then the step's own forward starts,
+and the processors' replicas take the BatchUpdate (``U``) while it runs. So for worker i, with
+``F = C + RT + O`` and ``R`` the compute still to run once the plan is applied:
 
-    worker i: cpu_i - overlap_i + max(ahead_i, C + RT + overlap_i) + (compute_i - ahead_i)
-    step:     the slowest worker
+    R_i    = max(ahead_i - F_i, 0) + (compute_i - ahead_i)
+    step_i = F_i + max(R_i, U_i) + (cpu_i - O_i - U_i)
+    step   = the slowest worker
 
-Synchronously (nothing launched ahead) that is ``C + RT + cpu_i + compute_i``.
+Synchronously (nothing launched ahead, ``O`` counted in the rest of the CPU) that is
+``C + RT + max(compute_i, U_i) + cpu_i - U_i``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class StepProfile:
     own_core_s: float = 0.0  # the whole step on cores of their own (the module's model)
     ahead_s: float = 0.0  # the slowest worker's compute launched ahead (overlapped with planning)
     overlap_cpu_s: float = 0.0  # the slowest worker's CPU applying the plan while that ran
+    update_cpu_s: float = 0.0  # the slowest worker's processors' update_state, while its forward ran
     round_trip_s: float = 0.0  # an idle call to a worker and back, measured once at start-up
 
     def add(self, wall_s: float, coordinator_cpu_s: float, results: Sequence[StepResult]) -> None:
@@ -43,10 +48,10 @@ class StepProfile:
             return
         own = [r.cpu_s + r.simulated_s for r in results]
         front = coordinator_cpu_s + self.round_trip_s
-        self.own_core_s += max(r.cpu_s - r.overlap_cpu_s + max(r.ahead_s, front + r.overlap_cpu_s)
-                               + r.simulated_s - r.ahead_s for r in results)
+        self.own_core_s += max(_own_core_step(r, front) for r in results)
         self.ahead_s += max(r.ahead_s for r in results)
         self.overlap_cpu_s += max(r.overlap_cpu_s for r in results)
+        self.update_cpu_s += max(r.update_cpu_s for r in results)
         self.steps += 1
         self.wall_s += wall_s
         self.coordinator_cpu_s += coordinator_cpu_s
@@ -55,3 +60,9 @@ class StepProfile:
         self.simulated_s += max(r.simulated_s for r in results)
         self.own_core_worker_s += max(own)
         self.straggler_s += max(own) - sum(own) / len(own)
+
+
+def _own_core_step(r: StepResult, front: float) -> float:
+    applied = front + r.overlap_cpu_s
+    still_computing = max(r.ahead_s - applied, 0.0) + r.simulated_s - r.ahead_s
+    return applied + max(still_computing, r.update_cpu_s) + r.cpu_s - r.overlap_cpu_s - r.update_cpu_s

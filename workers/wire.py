@@ -145,6 +145,8 @@ class StepResult:
     wasted_rows: int = 0
     ahead_s: float = 0.0
     overlap_cpu_s: float = 0.0
+    # CPU seconds of the processors' update_state, run while the step's forward did (both steps).
+    update_cpu_s: float = 0.0
 
     def token_lists(self) -> list[list[int]]:
         """Per shard row, its tokens (for tests and slow paths)."""

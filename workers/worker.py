@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-from workers.ahead import Forwards, guess_next
+from workers.ahead import Forwards, Logits, guess_next
 from workers.compute_thread import compute_thread
 from workers.wire import StepPlan, StepResult, offsets_of
 from workers.mirror import BatchMirror
@@ -102,10 +103,42 @@ class Worker:
         start_time, start_cpu = time.perf_counter(), time.thread_time()
         self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
-        self.sampler.update_state(batch_update)
-        plan_s = time.perf_counter() - start_time
-
         lo, hi = (int(x) for x in plan.shards[self.worker_id])
+        work, row_ids, samples, drafts = self._work(plan, lo, hi)
+        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi))
+        overlap_cpu = time.thread_time() - start_cpu
+        compute_cpu = 0.0
+        if work:
+            # The processors' replicas take the plan's BatchUpdate while this shard's forward runs:
+            # sampling is the first thing that reads them. A wave of admissions (every worker
+            # applies every row) then costs no more than the forward its own rows need.
+            forward = compute_thread().start(self._forward, result, row_ids, work, overlap_cpu)
+            update_start = time.thread_time()
+            try:
+                self.sampler.update_state(batch_update)
+            except BaseException:
+                _settle(forward)  # its logits are nobody's; the next forward queues behind it anyway
+                raise
+            result.update_cpu_s = time.thread_time() - update_start
+            result.plan_s = time.perf_counter() - start_time
+            got, forward_cpu = forward.result()
+            compute_cpu = forward_cpu + compute_thread().run(self._sample, result, got, lo, hi, work, row_ids,
+                                                             samples, drafts)
+        else:
+            self.sampler.update_state(batch_update)
+            result.plan_s = time.perf_counter() - start_time
+        caller_cpu = time.thread_time()
+        if plan.audit:
+            result.row_digests = self.mirror.digests()
+            result.processor_digests = self.sampler.state_digests()
+        result.compute_s = time.perf_counter() - start_time
+        result.cpu_s = overlap_cpu + result.update_cpu_s + compute_cpu + time.thread_time() - caller_cpu
+        return result
+
+    def _work(self, plan: StepPlan, lo: int, hi: int) -> tuple[list[RowWork], list[str], list[bool],
+                                                                 list[list[int]] | None]:
+        """This shard's rows as the runner takes them (blocks the plan gives them included), their
+        request ids, which of them sample a token, and every row's drafts (None without)."""
         rows = plan.block_rows
         mine = np.flatnonzero((rows >= lo) & (rows < hi))
         if mine.size:
@@ -127,32 +160,29 @@ class Worker:
                                 decode=count == 1 and start >= len(row.prompt_token_ids)))
             row_ids.append(row.request_id)
             samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
-        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi), plan_s=plan_s)
-        overlap_cpu = time.thread_time() - start_cpu
-        compute_cpu = 0.0
-        if work:
-            compute_cpu = compute_thread().run(self._forward_and_sample, result, lo, hi, work, row_ids, samples,
-                                               drafts, overlap_cpu)
-        caller_cpu = time.thread_time()
-        if plan.audit:
-            result.row_digests = self.mirror.digests()
-            result.processor_digests = self.sampler.state_digests()
-        result.compute_s = time.perf_counter() - start_time
-        result.cpu_s = overlap_cpu + compute_cpu + time.thread_time() - caller_cpu
-        return result
+        return work, row_ids, samples, drafts
 
-    def _forward_and_sample(self, result: StepResult, lo: int, hi: int, work: list[RowWork], row_ids: list[str],
-                            samples: list[bool], drafts: list[list[int]] | None, overlap_cpu: float) -> float:
-        """On the compute thread: this shard's logits, sampled into ``result``; returns its CPU seconds."""
+    def _forward(self, result: StepResult, row_ids: list[str], work: list[RowWork],
+                 overlap_cpu: float) -> tuple[Logits, float]:
+        """On the compute thread: this shard's logits (started, on a GPU or a simulated device) and
+        the host CPU seconds it took."""
         start_cpu = time.thread_time()
         with torch.inference_mode(), self.forwards.on_device():
             got = self.forwards.forward(row_ids, work)
-            logits = got.logits
-            result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
-            result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
-            device_cpu = got.inline_device_cpu_s  # a simulated device's work: in simulated_s, not host CPU
-            if got.ahead_rows or got.wasted_rows:
-                result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
+        result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
+        result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
+        if got.ahead_rows or got.wasted_rows:
+            result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
+        # a simulated device's work is in simulated_s, not host CPU
+        return got, time.thread_time() - start_cpu - got.inline_device_cpu_s
+
+    def _sample(self, result: StepResult, got: Logits, lo: int, hi: int, work: list[RowWork], row_ids: list[str],
+                samples: list[bool], drafts: list[list[int]] | None) -> float:
+        """On the compute thread: ``got``'s logits sampled into ``result``; returns its CPU seconds."""
+        start_cpu = time.thread_time()
+        device_cpu = 0.0
+        logits = got.logits
+        with torch.inference_mode(), self.forwards.on_device():
             sample_start, sample_cpu = time.perf_counter(), time.thread_time()
             if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
@@ -177,6 +207,14 @@ class Worker:
                 self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
                                                        self.runner.max_model_len, self.runner.spare_blocks))
         return time.thread_time() - start_cpu - device_cpu
+
+
+def _settle(future: Future) -> None:
+    """Wait for ``future`` and drop its outcome."""
+    try:
+        future.result()
+    except BaseException:  # noqa: BLE001 - the step fails with the error that stopped it first
+        pass
 
 
 def pipelined(config: Any, device: torch.device | str) -> bool:
