@@ -94,7 +94,7 @@ class RayExecutor(Executor):
         try:
             if self._graph is not None:
                 return self._graph.execute(plan)  # one write to a channel every worker reads
-            shared = [ray.put(plan)]  # serialized once, not once per worker; each node fetches it once
+            shared = ray.put(plan)  # serialized once, not once per worker; each node fetches it once
             return {i: w.step.remote(shared) for i, w in self.workers.items()}
         except Exception as exc:  # the compiled graph is broken (a worker died between steps)
             return exc

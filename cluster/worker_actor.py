@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 import ray
@@ -114,22 +113,9 @@ class WorkerActor:
         return WorkerInfo(self.device, runner.num_blocks, runner.block_size,
                           weight_bytes=tuple(w for w, _ in memory), kv_bytes=tuple(k for _, k in memory))
 
-    def step(self, plan: StepPlan | list[Any]) -> StepResult:
-        """``plan``: the plan (a compiled graph's channel), or ``[ref]`` to it in the object store,
-        fetched here so that unpickling it counts as this worker's host CPU in the step profile (a
-        wave of admissions makes a plan of ~300 kB: ~6 ms; Ray resolving a bare ref would do it
-        before this method runs, unmeasured)."""
-        fetch_cpu = 0.0
-        if isinstance(plan, list):
-            started = time.thread_time()
-            plan = ray.get(plan[0])
-            fetch_cpu = time.thread_time() - started
+    def step(self, plan: StepPlan) -> StepResult:
         try:
-            result = self.worker.step(plan)
-            result.cpu_s += fetch_cpu
-            if result.overlap_cpu_s:  # fetched while the forward launched ahead ran, as the plan's apply
-                result.overlap_cpu_s += fetch_cpu
-            return result
+            return self.worker.step(plan)
         except TensorGroupLost as exc:
             # The group cannot go on without the rank: end it as one worker (its followers end with
             # this actor, their owner), so the engine requeues its rows and starts a new group.
