@@ -210,7 +210,6 @@ class Scheduler:
                 request.kv = self.kv.start(owner, request.all_token_ids(), request.cache_salt(self.kv.prefix_caching))
                 request.kv_owner = owner
             request.owner = owner
-            picker.touched(owner)
             chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget))
             if chunk == 0:
                 request.owner = None
@@ -389,8 +388,9 @@ class Scheduler:
 
     def _owner_for(self, request: Request) -> int | None:
         """Pinned owner (n > 1 siblings) or the least loaded live worker with a free row: fewest
-        running requests, then most free blocks, then the lowest id. One pass without building
-        candidate lists: a step that admits a wave asks this once per request."""
+        running requests, then most free blocks, then the lowest id. Admission asks it for pinned
+        requests only; ``LeastLoaded`` makes the same choice for the others from a heap (and is
+        tested against this scan)."""
         load, limit = self.load, self.rows_per_worker
         if request.pinned_owner is not None:
             owner = request.pinned_owner
