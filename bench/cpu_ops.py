@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import workers.paged_attention as paged  # noqa: E402
 from workers import exact_ops  # noqa: E402
@@ -47,8 +48,13 @@ def decode_rows(runner: ModelRunner, rows: int, position: int) -> list[RowWork]:
 
 
 def linears(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
-    order: list[PrepackedLinear] = []
-    layers = [m for m in runner.model.modules() if isinstance(m, PrepackedLinear)]
+    """Times the model's linears as it has them: prepacked, or torch's ``nn.Linear`` where oneDNN
+    has no native kernels for the dtype (bfloat16 on a CPU without AVX-512), which the runner
+    leaves unfused."""
+    order: list[nn.Module] = []
+    layers = [m for m in runner.model.modules() if isinstance(m, (PrepackedLinear, nn.Linear))]
+    kind = ("prepacked for oneDNN" if all(isinstance(m, PrepackedLinear) for m in layers)
+            else f"torch's nn.Linear, not prepacked: oneDNN has no native {runner.dtype} kernels on this CPU")
     hooks = [m.register_forward_pre_hook(lambda module, *_: order.append(module)) for m in layers]
     runner.forward(step)
     for hook in hooks:
@@ -89,7 +95,7 @@ def linears(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
                 layer(x)
                 spent += time.perf_counter() - start
             timings["weights hot"].append(spent)
-    print(f"{len(order)} linear layers a step, {flops / 1e9:.1f} GFLOP for {rows} rows:")
+    print(f"{len(order)} linear layers a step ({kind}), {flops / 1e9:.1f} GFLOP for {rows} rows:")
     for name, seconds in timings.items():
         median = statistics.median(seconds)
         print(f"  {name:18s} {median * 1e3:7.1f} ms  {flops / median / 1e9:5.0f} GFLOP/s")

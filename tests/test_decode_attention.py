@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from workers.decode_layout import MIN_GAP, block_major_layout, choose_segments
 from workers.model_runner import use_native_decode
-from workers import native_attention
+from workers import native_attention, native_build
 from workers.native_attention import paged_decode
 from workers.paged_attention import _block_major_decode
 
@@ -177,6 +177,15 @@ def test_a_worker_without_a_build_compiles_one_on_first_use(tmp_path, monkeypatc
         assert [p.name for p in tmp_path.iterdir()] == [native_attention.library_path().name]
     finally:
         native_attention._library.cache_clear()
+
+
+def test_a_build_for_another_cpu_level_has_a_name_of_its_own(monkeypatch):
+    """RAYSAMPLE_KERNEL_MARCH (docs/reliability.md) builds for that level instead of this CPU's own, and
+    under another name, so the two builds never stand in for each other."""
+    own = native_attention.library_path()
+    monkeypatch.setenv("RAYSAMPLE_KERNEL_MARCH", "x86-64-v3")
+    assert native_build.target_flags(["-O3", "-march=native"]) == ["-O3", "-march=x86-64-v3"]
+    assert native_attention.library_path() != own
 
 
 def test_out_of_range_indices_are_refused_before_the_kernel_reads_memory():

@@ -43,12 +43,21 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def target_flags(flags: list[str]) -> list[str]:
+    """``flags`` with ``-march=native`` replaced by ``RAYSAMPLE_KERNEL_MARCH`` where it is set (for
+    instance ``x86-64-v3``: AVX2 without AVX-512), so a CPU that has AVX-512 can build and test the
+    kernels another CPU would run (docs/reliability.md)."""
+    march = os.environ.get("RAYSAMPLE_KERNEL_MARCH")
+    return [f"-march={march}" if march and flag == "-march=native" else flag for flag in flags]
+
+
 def library_path(source: Path, flags: list[str]) -> Path:
     """Where the build of this source (with the headers beside it), these flags and this CPU lives.
 
     ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
     package) the user's cache.
     """
+    flags = target_flags(flags)
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     for part in (source.read_bytes(), *headers, " ".join(flags).encode(), platform.machine().encode(),
@@ -74,7 +83,7 @@ def build(source: Path, flags: list[str]) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *flags, "-o", str(partial), str(source)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *target_flags(flags), "-o", str(partial), str(source)], capture_output=True, text=True)
         if result.returncode != 0:
             raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
         os.replace(partial, target)
