@@ -295,7 +295,9 @@ def cpu_flags() -> str:
                 flags |= {f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx", "avx2", "fma"))}
     except OSError:
         pass
-    native = "native" if "avx512_bf16" in flags or "amx_bf16" in flags else "emulated"
+    # The CPU's flags, and what oneDNN will use (ONEDNN_MAX_CPU_ISA can cap it below them).
+    native = ("native" if ("avx512_bf16" in flags or "amx_bf16" in flags)
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "emulated")
     return f"{model}, {len(os.sched_getaffinity(0))} cores; flags {' '.join(sorted(flags)) or 'none'}; bfloat16 {native}"
 
 

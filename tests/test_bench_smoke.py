@@ -61,3 +61,13 @@ def test_cpu_ops_bench_runs_as_on_a_cpu_without_avx512(tmp_path):
     assert timings == ["inside the model", "back to back", "weights hot"], done.stdout
     assert "logits identical: False" not in done.stdout, done.stdout
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == ["exact_ops", "paged_decode"]
+
+
+def test_e2e_labels_bfloat16_by_what_onednn_runs_not_only_the_cpu_flags():
+    """Capped at AVX2 (as on a CPU without AVX-512, or emulating one), bfloat16 is emulated whatever
+    /proc/cpuinfo lists, and the bench's header says so."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", "import e2e; print(e2e.cpu_flags())"], cwd=ROOT / "bench",
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("bfloat16 emulated"), done.stdout
