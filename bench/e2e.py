@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 from workers.compute_thread import compute_thread  # noqa: E402
+from workers.cpu_linear import prepack_available  # noqa: E402
 from workers.tiny import ensure_tiny_model  # noqa: E402
 
 BATCH = 64
@@ -295,9 +296,9 @@ def cpu_flags() -> str:
                 flags |= {f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx", "avx2", "fma"))}
     except OSError:
         pass
-    # The CPU's flags, and what oneDNN will use (ONEDNN_MAX_CPU_ISA can cap it below them).
+    # The CPU's bfloat16 instructions, where oneDNN may use them (ONEDNN_MAX_CPU_ISA can cap it below).
     native = ("native" if ("avx512_bf16" in flags or "amx_bf16" in flags)
-              and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "emulated")
+              and prepack_available(torch.device("cpu"), torch.bfloat16) else "emulated")
     return f"{model}, {len(os.sched_getaffinity(0))} cores; flags {' '.join(sorted(flags)) or 'none'}; bfloat16 {native}"
 
 

@@ -83,7 +83,8 @@ def build(source: Path, flags: list[str]) -> Path:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *target_flags(flags), "-o", str(partial), str(source)], capture_output=True, text=True)
+        command = [compiler, *target_flags(flags), "-o", str(partial), str(source)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
         os.replace(partial, target)
