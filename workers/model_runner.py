@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers import native_attention
+from workers import host_memory, native_attention
 from workers.cpu_fusion import fuse_cpu_layers
 from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
@@ -106,6 +106,8 @@ class ModelRunner:
 
         register_paged_attention()
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()  # each step's logits and activations reuse the heap's pages
         self.dtype = resolve_dtype(dtype, self.device)
         model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=self.dtype, trust_remote_code=trust_remote_code,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.host_memory import lazy_zeros
 from workers.native_attention import paged_decode as native_paged_decode
 from workers.native_attention import write_kv as native_write_kv
 
@@ -66,15 +67,11 @@ class PagedKVCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on CPU from the allocator's zeroed pages (calloc), committed as blocks are first written,
-    so a large budget costs no start-up time and no memory until used (``torch.zeros`` writes it all)."""
+    """Zeros; on CPU in their own mapping (``workers.host_memory.lazy_zeros``), committed as blocks
+    are first written."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    size = torch.empty(0, dtype=dtype).element_size()
-    carrier = {2: np.uint16, 4: np.float32, 8: np.float64}[size]
-    return torch.from_numpy(np.zeros(shape, dtype=carrier)).view(dtype)
+    return lazy_zeros(shape, dtype)
 
 
 @dataclass
