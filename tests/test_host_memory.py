@@ -72,3 +72,21 @@ def test_lazy_zeros_are_zeros_that_commit_only_what_is_written():
     assert pool[7, 1, 3].eq(2.5).all() and pool.count_nonzero() == 64 * 32
     assert pool.sum().item() == 2.5 * 64 * 32
     assert lazy_zeros((0, 3), torch.float32).shape == (0, 3)
+
+
+def test_a_cpu_model_runner_sets_the_thresholds_and_maps_its_pools(monkeypatch):
+    from arch_zoo import build_arch_model
+
+    from workers import host_memory
+    from workers.model_runner import ModelRunner
+
+    calls = []
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: calls.append(1) or True)
+    runner = ModelRunner(build_arch_model("llama"), "cpu", "float32", max_model_len=64, kv_cache_memory=1 << 20,
+                         verify=False)
+    assert calls == [1]
+    pool = runner.cache.keys[0]
+    assert not pool.any()
+    if Path("/proc/self/maps").exists():  # its own mapping: the data starts where a mapping starts
+        starts = {int(line.split("-")[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()}
+        assert pool.data_ptr() in starts
