@@ -7,7 +7,7 @@ types are errors naming the key path and the expected type.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -78,6 +78,12 @@ class ModelSection(_Section):
     # batched torch products over whole KV blocks (any device). "auto": native on CPU with
     # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # vLLM's names. Decode steps run as forwards of fixed shape (rows padded to a capture size),
+    # captured once per size as CUDA graphs on a GPU. Unset: graphs on CUDA, the variable-shape
+    # forward on CPU; true: eager everywhere; false on CPU: the fixed-shape forward under
+    # torch.compile(fullgraph=True), the proof that it is graph-safe (workers/static_decode.py).
+    enforce_eager: bool | None = None
+    cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None  # default: 1, 2, 4, 8, 16, 24, ...
     # Ranks per worker (vLLM's tensor_parallel_size): each worker is a group of this many Ray actors,
     # one per GPU (or CPU share), each holding its shard of the model and of the attention heads;
     # the cluster.*_per_worker resources are per rank. Needs Ray (one process per rank).

@@ -17,11 +17,13 @@ import torch
 
 from workers import host_memory, native_attention
 from workers.cpu_fusion import fuse_cpu_layers
+from workers.merged_layers import merge_layers
 from workers.cpu_linear import prepack_available
 from workers.decode_layout import block_major_layout
 from workers.attention_probe import verify_once
 from workers.model_support import check_model_config, kv_geometry, resolved_max_model_len
 from workers.row_work import RowWork
+from workers.static_decode import StaticDecoder, decode_mode
 from workers.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
 from workers.paged_attention import (
     ATTENTION_NAME,
@@ -32,6 +34,7 @@ from workers.paged_attention import (
     PackedStep,
     PagedKVCache,
     UnsupportedAttention,
+    paged_attention,
     register_paged_attention,
 )
 
@@ -91,17 +94,23 @@ def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> 
 class ModelRunner:
     """Holds one model replica and its paged KV cache; runs packed forward passes."""
 
+    static: StaticDecoder | None = None  # fixed-shape decode steps, once the cache exists
+
     def __init__(self, model_path: str | Path, device: torch.device | str, dtype: str = "auto",
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  prepack_cpu_weights: bool = True, block_size: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
-                 spare_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
+                 spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
+                 cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None) -> None:
         """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
         ahead writes the token of a row entering a block the coordinator has not yet given it
         (``workers.ahead``); ``copy_blocks`` moves it there once the plan names the block.
         ``tensor_parallel_size`` > 1: this process is one rank of a group that has joined its
-        ``torch.distributed`` group (``workers.tensor_parallel``); it holds that rank's shard and heads."""
+        ``torch.distributed`` group (``workers.tensor_parallel``); it holds that rank's shard and heads.
+        ``enforce_eager``: vLLM's switch for the fixed-shape decode forward (``workers.static_decode``):
+        unset, CUDA graphs on CUDA and the variable-shape forward on CPU. ``merge_projections``: Llama-style
+        layers in fewer operators (``workers.merged_layers``); unset, wherever the CPU's own fusion is not used."""
         from transformers import AutoModelForCausalLM
 
         register_paged_attention()
@@ -131,8 +140,11 @@ class ModelRunner:
         block_size = self.block_size
         per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
+        static_mode = decode_mode(enforce_eager, self.device, tensor_parallel_size)
+        graph_bytes = self._graph_reserve(max_rows, cudagraph_capture_sizes) if static_mode == "graphs" else 0
         self.num_blocks = smallest_over_ranks(
-            self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks))
+            self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks,
+                             graph_bytes))
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"KV cache budget holds {self.num_blocks} blocks of {block_size} tokens "
@@ -143,8 +155,10 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         if verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
             verify_once(self, model_path, trust_remote_code)
-        self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks, block_size, self.kv_heads,
-                                  self.head_dim, self.dtype, self.device)
+        # One more block where a fixed-shape decode's padding rows write (no request owns it).
+        pad_blocks = 1 if static_mode else 0
+        self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks + pad_blocks, block_size,
+                                  self.kv_heads, self.head_dim, self.dtype, self.device)
         self.spare_blocks = list(range(self.num_blocks, self.num_blocks + spare_blocks))
         self.weight_bytes = shard_bytes(self.model)
         self.kv_bytes = (self.num_blocks + spare_blocks) * per_block
@@ -154,8 +168,38 @@ class ModelRunner:
         # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
         # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
         # transformers' collectives hang on the linear modules that fusion would replace.
-        if prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1:
+        # The compiled fixed-shape decode traces the model as a GPU runs it: no native CPU ops.
+        cpu_fused = (prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1
+                     and static_mode != "compiled" and not merge_projections)
+        if cpu_fused:
             fuse_cpu_layers(self.model)
+        if merge_projections is None:
+            merge_projections = self.device.type != "cpu" or static_mode == "compiled"
+        if merge_projections and not cpu_fused and tensor_parallel_size == 1:
+            merge_layers(self.model, paged_attention)
+        if static_mode:
+            self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
+            self.static.capture()
+
+    def _graph_reserve(self, max_rows: int, sizes: list[int] | None) -> int:
+        """GPU memory the decode graphs will hold: the peak of the largest fixed-shape forward, measured
+        on a two-block cache, plus its persistent buffers, with a quarter more for the pool's slack."""
+        self.cache = PagedKVCache(self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim, self.dtype,
+                                  self.device)
+        try:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            decoder = StaticDecoder(self, "eager", max_rows, sizes)
+            buffers = torch.cuda.memory_allocated(self.device) - before
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            decoder.inputs.fill([], decoder.sizes[-1], decoder.pad_block, self.block_size)
+            with torch.inference_mode():
+                decoder._into_buffer(decoder.sizes[-1], decoder.widths[-1])
+            peak = torch.cuda.max_memory_allocated(self.device) - start
+        finally:
+            self.cache = None
+        return buffers + int(peak * 1.25)
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         """Every layer's K/V of blocks ``sources`` into blocks ``targets``."""
@@ -164,12 +208,13 @@ class ModelRunner:
         for pool in (*self.cache.keys, *self.cache.values):
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
-    def _num_blocks(self, per_block: int, kv_cache_memory: int | None, utilization: float, every_row_full: int) -> int:
+    def _num_blocks(self, per_block: int, kv_cache_memory: int | None, utilization: float, every_row_full: int,
+                    graph_bytes: int = 0) -> int:
         if kv_cache_memory is not None:
             return kv_cache_memory // per_block
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * utilization) - (total - free)
+            budget = int(total * utilization) - (total - free) - graph_bytes
             return max(budget, 0) // per_block
         return every_row_full  # CPU without a budget: as much as every row at max_model_len
 
@@ -304,6 +349,9 @@ class ModelRunner:
         """Logits ``[sum(num_logits), vocab]`` as float32, rows in the given order."""
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        shape = self.static.shape(rows) if self.static is not None else None
+        if shape is not None:
+            return self.static.forward(rows, shape)
         input_ids, position_ids, keep, step = self._pack(rows)
         self.last_step = step  # inspected by the load-time check
         out = self.model(

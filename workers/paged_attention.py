@@ -60,6 +60,9 @@ class PagedKVCache:
         self.values = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # (blocks * kv_heads * block_size, head_dim) views, where a write slot indexes a token's row.
+        self.flat_keys = [pool.view(-1, head_dim) for pool in self.keys]
+        self.flat_values = [pool.view(-1, head_dim) for pool in self.values]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -157,6 +160,36 @@ class NativeDecode:
 
 
 @dataclass
+class StaticDecode:
+    """One-token decode rows in a forward of fixed shape (``workers.static_decode``): a capture size of
+    rows, each with a block table padded to a fixed width. Every tensor is a view of a persistent
+    buffer the runner fills before the forward, so the same kernels (a CUDA graph's, or a compiled
+    graph's) serve every step; nothing here reads a tensor's value on the host.
+
+    Padding rows sit at position 0 of the runner's padding block, which no request owns: they write
+    only there and attend only to it. A real row's table is padded with that block too, masked by
+    position.
+    """
+
+    block_tables: torch.Tensor  # (rows, width) pool blocks
+    positions: torch.Tensor  # (rows,) the query's absolute position
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """Additive ``(rows, width, 1, 1, block_size)``: keys at or before the query (and inside the window)."""
+        if window not in self._masks:
+            rows, width = self.block_tables.shape
+            keys = torch.arange(width * block_size, device=self.positions.device).view(1, width, 1, 1, block_size)
+            pos = self.positions.view(rows, 1, 1, 1, 1)
+            allowed = keys <= pos
+            if window is not None:
+                allowed &= keys > pos - window
+            additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+            self._masks[window] = additive.masked_fill_(~allowed, _MASKED)
+        return self._masks[window]
+
+
+@dataclass
 class PackedStep:
     """Everything the attention function needs for one forward, shared by every layer."""
 
@@ -168,6 +201,7 @@ class PackedStep:
     block_major: list[BlockMajorDecode] = field(default_factory=list)
     native: NativeDecode | None = None
     native_writes: bool = False  # write K/V with the CPU kernel: write_slots checked in range by the runner
+    static: StaticDecode | None = None  # every token is a one-token decode row of a fixed-shape forward
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
 
@@ -272,6 +306,45 @@ def _block_major_decode(dec: BlockMajorDecode, q: torch.Tensor, k_pool: torch.Te
     return out[dec.row_blocks].sum(dim=1)  # (rows, kv, G, d)
 
 
+def _static_decode(dec: StaticDecode, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   scale: float, softcap: float | None, window: int | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """query ``(1, heads, rows, d)`` -> ``(1, rows, heads, d)``, eager semantics as the block-major path.
+
+    Each row's blocks (``width`` of them: a fixed shape, the padding masked) are scored where they lie,
+    softmaxed over all of them, and their values gathered for one product, so the kernels do not
+    depend on the rows' lengths: no host sync, no branch on values.
+    """
+    rows, width = dec.block_tables.shape
+    _, kv_heads, block_size, head_dim = k_pool.shape
+    heads = query.shape[1]
+    groups = heads // kv_heads
+    q = query.transpose(1, 2).reshape(rows, 1, kv_heads, groups, head_dim)
+    if q.dtype != k_pool.dtype:
+        q = q.to(k_pool.dtype)
+    keys = k_pool[dec.block_tables]  # (rows, width, kv, bs, d): a view per block, no copy of the pool
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # (rows, width, kv, g, bs)
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    scores.mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    scores = (scores + dec.mask(window, block_size)).permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups, -1)
+    if sinks is not None:
+        sink = sinks.float().view(1, kv_heads, groups, 1).expand(rows, kv_heads, groups, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if probs.dtype != v_pool.dtype:
+        probs = probs.to(v_pool.dtype)
+    # One product over all of a row's keys, rounded once as eager attention's is (block by block,
+    # a bfloat16 sum of per-block outputs would round at every block).
+    values = v_pool[dec.block_tables].permute(0, 2, 1, 3, 4).reshape(rows, kv_heads, width * block_size, head_dim)
+    out = torch.matmul(probs, values)  # (rows, kv, g, d)
+    return out.view(1, rows, heads, head_dim) if out.dtype == query.dtype else out.view(1, rows, heads, head_dim).to(
+        query.dtype)
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # (1, heads, N, head_dim), RoPE applied
@@ -293,6 +366,17 @@ def paged_attention(
         raise UnsupportedAttention(", ".join(f"{_REFUSED_KWARGS[n]} ({n})" for n in refused) + " are not supported")
     if s_aux is None:
         s_aux = kwargs.get("sinks")
+    if packed_step.static is not None:  # traced or captured: no bookkeeping on the host
+        k_pool, v_pool = packed_step.cache.keys[module.layer_idx], packed_step.cache.values[module.layer_idx]
+        head_dim = query.shape[3]
+        for flat_pool, new in ((packed_step.cache.flat_keys[module.layer_idx], key),
+                               (packed_step.cache.flat_values[module.layer_idx], value)):
+            rows = new.reshape(-1, head_dim)  # head-major: (kv_heads * N, d), as the static write slots
+            flat_pool.index_copy_(0, packed_step.write_slots, rows if rows.dtype == flat_pool.dtype
+                                  else rows.to(flat_pool.dtype))
+        scale = scaling if scaling is not None else head_dim**-0.5
+        out = _static_decode(packed_step.static, query, k_pool, v_pool, scale, softcap, _window(sliding_window), s_aux)
+        return out, None
     packed_step.seen_kwargs.update(n for n, v in (("sliding_window", sliding_window), ("softcap", softcap),
                                                   ("s_aux", s_aux)) if v is not None)
     window = _window(sliding_window)

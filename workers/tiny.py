@@ -71,6 +71,18 @@ PRESETS: dict[str, TinySpec] = {
         max_position_embeddings=1024,
         initializer_range=0.02,  # transformers' default
     ),
+    # The shape of SmolLM2-135M-Instruct with random weights: the real model's speed on a machine
+    # the real weights cannot reach (bench/gpu_graphs.py); the tokenizer stops short of its vocabulary.
+    "smollm2-shape": TinySpec(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        initializer_range=0.02,
+    ),
 }
 
 

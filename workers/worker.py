@@ -246,6 +246,8 @@ def build_runner(config: Any, model_path: str, device: torch.device | str) -> An
         decode_attention=config.model.decode_attention,
         spare_blocks=spare,
         tensor_parallel_size=config.model.tensor_parallel_size,
+        enforce_eager=config.model.enforce_eager,
+        cudagraph_capture_sizes=config.model.cudagraph_capture_sizes,
     )
 
 
