@@ -186,8 +186,9 @@ class SchedulerSection(_Section):
     # The pipelined step (vLLM's name): each worker starts its next forward as soon as it has
     # sampled, before the next plan arrives, so planning and applying the plan overlap the
     # compute. False: every step waits for its plan (for comparison and debugging). None (the
-    # default): on where the forward runs off the host (GPU workers, simulated ones), off on CPU
-    # workers, whose forward would take the very cores the host work needs (bench/RESULTS.md).
+    # default): on where the forward runs off the host (GPU workers without CUDA graphs, simulated
+    # ones), off on CPU workers, whose forward would take the very cores the host work needs, and off
+    # where steps replay CUDA graphs, where it measured slower (bench/RESULTS.md).
     # Outputs are the same either way on CPU, bit for bit; on a GPU, whose kernels may round
     # differently for another batch shape, up to that rounding (bench/RESULTS.md, GPU).
     async_scheduling: bool | None = None

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,6 @@ from workers.model_runner import ModelRunner
 from workers.row_work import RowWork
 from workers.static_decode import StaticDecoder, capture_sizes, table_widths
 from workers.tiny import ensure_tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def runner(dtype: str = "float32", **kwargs) -> ModelRunner:
@@ -195,3 +191,37 @@ def test_goldens_through_the_compiled_fixed_shape_step(name, workers, extra):
     assert got["outputs"].keys() == want["outputs"].keys()
     for rid, expected in want["outputs"].items():
         assert_same_record(got["outputs"][rid], expected, rid)
+
+
+def test_rows_the_variable_forward_refuses_are_refused_alike():
+    """A row the fixed-shape step cannot run as given (too few blocks, too many logits, past max_model_len)
+    goes to the variable-shape forward, which names what is wrong; a block id outside the cache is refused."""
+    r = runner()
+    rows = prefilled(r, 2)
+    r.static = StaticDecoder(r, "eager", 16, every_step=True)
+    (ids, table), _ = rows
+    for bad, match in ((RowWork(table[:1], [5], 40, 1, decode=True), "blocks hold"),
+                       (RowWork(table, [5, 6], len(ids), 3), "cannot give"),
+                       (RowWork(table, [5], 256, 1, decode=True), "max_model_len")):
+        assert r.static.shape([bad]) is None
+        with pytest.raises(ValueError, match=match):
+            r.forward([bad])
+    outside = RowWork([r.cache.num_blocks + 5] * 12, [5], 3, 1, decode=True)
+    with pytest.raises(ValueError, match="out of the cache's range"):
+        r.forward([outside])
+
+
+def test_graphs_run_the_synchronous_step_by_default():
+    """Where steps replay CUDA graphs the step waits for its plan unless async_scheduling says otherwise
+    (measured faster on an H100); eager GPU workers keep the pipelined step, CPU workers the synchronous one."""
+    from cluster.config import load_config
+    from workers.worker import pipelined
+
+    def config(**model):
+        return load_config({"model": {"tiny": "default", **model}, "cluster": {"gpus_per_worker": 0}})
+
+    assert not pipelined(config(), "cuda")
+    assert pipelined(config(enforce_eager=True), "cuda")
+    assert not pipelined(config(), "cpu") and not pipelined(config(enforce_eager=False), "cpu")
+    forced = load_config({"model": {"tiny": "default"}, "scheduler": {"async_scheduling": True}})
+    assert pipelined(forced, "cuda")

@@ -90,7 +90,8 @@ def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 def _lean_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
                         position_ids: Any = None, position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
     attn, mlp = layer.self_attn, layer.mlp
-    kwargs.pop("cache", None), kwargs.pop("past_key_values", None), kwargs.pop("use_cache", None)
+    for name in ("cache", "past_key_values", "use_cache"):  # our attention keeps its own cache
+        kwargs.pop(name, None)
     tokens = hidden_states.shape[1]
     qkv = attn.qkv_proj(layer.lean_input_norm(hidden_states))
     qkv = qkv.view(1, tokens, -1, attn.head_dim).transpose(1, 2)  # (1, heads + 2 kv_heads, N, d)

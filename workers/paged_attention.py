@@ -161,10 +161,11 @@ class NativeDecode:
 
 @dataclass
 class StaticDecode:
-    """One-token decode rows in a forward of fixed shape (``workers.static_decode``): a capture size of
-    rows, each with a block table padded to a fixed width. Every tensor is a view of a persistent
-    buffer the runner fills before the forward, so the same kernels (a CUDA graph's, or a compiled
-    graph's) serve every step; nothing here reads a tensor's value on the host.
+    """A forward of fixed shape (``workers.static_decode``): one query row per token, padded to a capture
+    size, each with its request's block table padded to a fixed width. Every tensor is a view of a
+    persistent buffer the runner fills before the forward, so the same kernels (a CUDA graph's, or a
+    compiled graph's) serve every step; nothing here reads a tensor's value on the host. Each layer
+    writes every row's K/V before any row attends, so a prompt chunk's tokens see each other.
 
     Padding rows sit at position 0 of the runner's padding block, which no request owns: they write
     only there and attend only to it. A real row's table is padded with that block too, masked by
@@ -201,7 +202,7 @@ class PackedStep:
     block_major: list[BlockMajorDecode] = field(default_factory=list)
     native: NativeDecode | None = None
     native_writes: bool = False  # write K/V with the CPU kernel: write_slots checked in range by the runner
-    static: StaticDecode | None = None  # every token is a one-token decode row of a fixed-shape forward
+    static: StaticDecode | None = None  # a fixed-shape forward: every token is a query row of its own
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
 

@@ -126,9 +126,12 @@ class DecodeInputs:
         for row in rows:
             n = len(row.token_ids)
             needed = (row.start_pos + n - 1) // block_size + 1
+            blocks = row.block_table[:needed]
+            if min(blocks) < 0 or max(blocks) >= pad_block:  # real and spare blocks lie below the padding one
+                raise ValueError("a K/V block id is out of the cache's range")
             ids[q : q + n] = row.token_ids
             positions[q : q + n] = np.arange(row.start_pos, row.start_pos + n)
-            tables[q : q + n, :needed] = row.block_table[:needed]
+            tables[q : q + n, :needed] = blocks
             keep.extend(range(q + n - row.num_logits, q + n))
             q += n
         pos = positions[:size]
@@ -176,11 +179,19 @@ class StaticDecoder:
         """
         if not rows:
             return None
-        if not self.every_step and any(not r.decode or len(r.token_ids) != 1 or r.num_logits != 1 for r in rows):
-            return None
-        size = smallest_at_least(self.sizes, sum(len(r.token_ids) for r in rows))
-        last = max(r.start_pos + len(r.token_ids) - 1 for r in rows)
-        width = smallest_at_least(self.widths, last // self.runner.block_size + 1)
+        block_size, limit = self.runner.block_size, self.runner.max_model_len
+        tokens = last = 0
+        for r in rows:
+            n = len(r.token_ids)
+            end = r.start_pos + n
+            if not self.every_step and (not r.decode or n != 1 or r.num_logits != 1):
+                return None
+            if n == 0 or not 1 <= r.num_logits <= n or end > limit or end > len(r.block_table) * block_size:
+                return None  # the variable-shape forward refuses it, naming what is wrong
+            tokens += n
+            last = max(last, end - 1)
+        size = smallest_at_least(self.sizes, tokens)
+        width = smallest_at_least(self.widths, last // block_size + 1)
         if size is None or width is None or (self.mode == "graphs" and (size, width) not in self.graphs):
             return None
         return size, width

@@ -28,6 +28,7 @@ from workers.model_runner import ModelRunner
 from workers.row_work import RowWork
 from workers.rejection import verify_drafts
 from workers.sampler import Sampler
+from workers.static_decode import decode_mode
 from workers.tensor_parallel import Followers, LeadRunner
 
 
@@ -223,7 +224,12 @@ def pipelined(config: Any, device: torch.device | str) -> bool:
     # decoding every step waits for its plan (the synchronous step), as the docs say.
     ahead = config.scheduler.async_scheduling
     if ahead is None:
-        ahead = torch.device(device).type != "cpu" or config.model.simulate is not None
+        # Not where steps replay CUDA graphs: a replay is a few launches, so there is little host
+        # work to hide, and a guess that misses a row (an admission) costs a second replay; on an
+        # H100 the synchronous step was faster (bench/RESULTS.md, "the step as CUDA graphs").
+        graphs = decode_mode(config.model.enforce_eager, torch.device(device),
+                             config.model.tensor_parallel_size) == "graphs"
+        ahead = config.model.simulate is not None or (torch.device(device).type != "cpu" and not graphs)
     return ahead and config.speculative is None
 
 
