@@ -19,9 +19,32 @@ class RenderTimeout(ValueError):
     """Rendering one request's messages took longer than allowed."""
 
 
+# Options of the tokenizer's call (``apply_chat_template``), not variables of the template:
+# ``padding``/``max_length`` from one line took a job to 19 GiB, ``truncation`` cut a prompt silently.
+# ``chat_template_kwargs`` reach the template only (as vLLM passes them); these are refused by name,
+# as is any other named parameter of the tokenizer's ``apply_chat_template``.
+TOKENIZER_CALL_OPTIONS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "processor_kwargs",
+})
+
+
+def tokenizer_call_options(tokenizer: Any) -> frozenset[str]:
+    """The fixed set and the named parameters of this tokenizer's ``apply_chat_template`` (remote code may add some)."""
+    import inspect
+
+    try:
+        named = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    except (TypeError, ValueError, AttributeError):
+        named = set()
+    return TOKENIZER_CALL_OPTIONS | named
+
+
 def request_template_kwargs(value: Any) -> dict[str, Any] | None:
-    """``chat_template_kwargs`` sent with a request (an input line, a run-batch body): an object, and
-    never a template of its own, which is code (vLLM refuses both spellings too)."""
+    """``chat_template_kwargs`` sent with a request (an input line, a run-batch body): an object of
+    template variables; never a template of its own, which is code (vLLM refuses both spellings too)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -30,6 +53,15 @@ def request_template_kwargs(value: Any) -> dict[str, Any] | None:
         raise ValueError("chat_template_kwargs.chat_template is not allowed: a request cannot bring its own chat "
                          "template (a template is code); the model's template renders 'messages'")
     return value
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any], tokenizer: Any) -> None:
+    """ValueError naming the first key that is an option of the tokenizer's call, not a template variable."""
+    options = tokenizer_call_options(tokenizer)
+    for name in sorted(template_kwargs):
+        if name in options:
+            raise ValueError(f"chat_template_kwargs.{name} is not allowed: it is an option of the tokenizer's call, "
+                             "not a variable of the chat template (chat_template_kwargs reach the template only)")
 
 
 @contextmanager
@@ -79,6 +111,8 @@ def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] |
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise ValueError("'chat_template_kwargs' must be an object")
+    if template_kwargs:
+        check_template_kwargs(template_kwargs, tokenizer)
     normalized = [{**m, "content": m["content"] if isinstance(m["content"], str)
                    else "".join(p["text"] for p in m["content"])} for m in messages]
     chars = sum(len(m["content"]) for m in normalized)
@@ -94,12 +128,18 @@ def render_chat(tokenizer: Any, messages: Any, template_kwargs: dict[str, Any] |
         extra["continue_final_message"] = True
     try:
         with time_limit(time_limit_s, "rendering the chat template"):
-            ids = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                **extra, **(template_kwargs or {}))
+            # Rendered to text, then tokenized here with fixed options (as apply_chat_template's own
+            # tokenize=True does: no special tokens added, the template has them): nothing a request
+            # sends reaches the tokenizer's call.
+            text = tokenizer.apply_chat_template(normalized, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **extra, **(template_kwargs or {}))
     except RenderTimeout as exc:
         raise ValueError(f"the chat template could not render these messages: {exc}") from None
     except Exception as exc:
         raise ValueError(f"the chat template could not render these messages: {type(exc).__name__}: {exc}") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    if not isinstance(text, str):
+        raise ValueError(f"the chat template rendered {type(text).__name__}, not text")
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"the chat template rendered {len(text)} characters: more than fit in max_model_len tokens "
+                         f"(at most {max_chars} for this tokenizer); refused before tokenizing")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

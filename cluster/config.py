@@ -301,6 +301,23 @@ class ReasoningSection(_Section):
 class StructuredOutputsSection(_Section):
     # Compiled grammars kept per process (coordinator and each worker), least recently used evicted.
     grammar_cache_size: int = Field(default=256, ge=1)
+    # A constraint is first compiled in a child process that is killed past either bound: a schema
+    # that would take longer or more memory fails its own request and holds no other.
+    compile_timeout_s: float = Field(default=10.0, gt=0.0)
+    compile_max_memory: int = Field(default=2 << 30, gt=0)  # bytes, or "2GiB"
+
+    @field_validator("compile_max_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
+
+
+class InputSection(_Section):
+    """Bounds on what one input line (a ``generate`` or ``run-batch`` line) may ask for; a line past
+    one gets an error record of its own and the job goes on."""
+
+    max_json_depth: int = Field(default=64, ge=2, le=500)  # nesting of objects and arrays in a line
+    max_requests_per_line: int = Field(default=1024, ge=1)  # a run-batch line's prompts x n
 
 
 class RaysampleConfig(_Section):
@@ -309,6 +326,7 @@ class RaysampleConfig(_Section):
     scheduler: SchedulerSection = SchedulerSection()
     cache: CacheSection = CacheSection()
     structured_outputs: StructuredOutputsSection = StructuredOutputsSection()
+    input: InputSection = InputSection()
     processors: list[Union[str, type, ProcessorItem]] = Field(default_factory=list)
     # Load processors installed as plugins (entry-point groups vllm.logits_processors and
     # raysample.logits_processors) on every engine, as vLLM does.

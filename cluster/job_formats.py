@@ -3,7 +3,6 @@ lines of an input still need a record."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from cluster.background import in_background
 from cluster.chat import load_tokenizer
 from cluster.config import RaysampleConfig
+from cluster.json_input import JSONLineError, load_json
 from cluster.job_lines import BadLine, InputLimits, OversizedLine, decode_line, id_key, input_lines, line_digest, parse_line
 from cluster.job_records import Written, error_record, read_records, result_record
 from cluster.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
@@ -49,7 +49,9 @@ class GenerateFormat:
 
             model = self.config.model
             model_config = AutoConfig.from_pretrained(model.resolve_path(), trust_remote_code=model.trust_remote_code)
-            self._limits = InputLimits.of(self.tokenizer(), resolved_max_model_len(model_config, model.max_model_len))
+            bounds = self.config.input
+            self._limits = InputLimits.of(self.tokenizer(), resolved_max_model_len(model_config, model.max_model_len),
+                                          bounds.max_json_depth, bounds.max_requests_per_line)
         return self._limits
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
@@ -57,9 +59,10 @@ class GenerateFormat:
         return rid, (rid, params.logprobs), prompt, params
 
     def peek(self, line: str) -> Any:
+        """The line's id if it has a usable one; anything else (bad JSON, too deep) is ``parse``'s to report."""
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = load_json(line, self.config.input.max_json_depth)
+        except JSONLineError:
             return None
         rid = record.get(self.id_field) if isinstance(record, dict) else None
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
@@ -91,7 +94,7 @@ class OpenAIBatchFormat(GenerateFormat):
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         try:
-            request = parse_batch_line(line, self.tokenizer(), self.config.defaults, self.limits().max_prompt_chars)
+            request = parse_batch_line(line, self.tokenizer(), self.config.defaults, self.limits())
         except BatchLineError as exc:
             raise BadLine(str(exc)) from None
         return request.custom_id, request, request.prompt, request.params

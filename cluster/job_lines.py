@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.chat import RENDER_LIMIT_S, render_chat, request_template_kwargs
+from cluster.json_input import JSONLineError, load_json
 from coordinator.prompt_limits import max_prompt_chars, too_long_message
 from processors import SamplingParams
 
@@ -36,10 +37,13 @@ class BadLine(ValueError):
 
 @dataclass(frozen=True)
 class InputLimits:
-    """The most a line may bring, from the model: longer cannot fit in ``max_model_len`` tokens."""
+    """The most a line may bring: from the model (longer cannot fit in ``max_model_len`` tokens) and
+    from the config's ``input`` section."""
 
     max_model_len: int
     max_prompt_chars: int  # coordinator.prompt_limits
+    max_json_depth: int = 64  # input.max_json_depth
+    max_requests_per_line: int = 1024  # input.max_requests_per_line (run-batch: prompts x n)
 
     @property
     def max_line_bytes(self) -> int:
@@ -47,16 +51,17 @@ class InputLimits:
         return 6 * self.max_prompt_chars + (1 << 20)
 
     @classmethod
-    def of(cls, tokenizer: Any, max_model_len: int) -> InputLimits:
-        return cls(max_model_len, max_prompt_chars(tokenizer, max_model_len))
+    def of(cls, tokenizer: Any, max_model_len: int, max_json_depth: int = 64,
+           max_requests_per_line: int = 1024) -> InputLimits:
+        return cls(max_model_len, max_prompt_chars(tokenizer, max_model_len), max_json_depth, max_requests_per_line)
 
 
-def json_object(line: str, error: type[Exception]) -> dict[str, Any]:
+def json_object(line: str, error: type[Exception], max_depth: int = 64) -> dict[str, Any]:
     """An input line as a JSON object, or ``error`` saying why it is not one (both input formats)."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise error(f"not valid JSON: {exc}") from None
+        record = load_json(line, max_depth)
+    except JSONLineError as exc:
+        raise error(str(exc)) from None
     if not isinstance(record, dict):
         raise error("each line must be a JSON object")
     return record
@@ -66,7 +71,7 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limit
                ) -> tuple[Any, str | list[int], SamplingParams]:
     """One input line; ``tokenizer``: a callable giving it (chat lines only); ``limits``: refuse what
     cannot fit before rendering or tokenizing anything."""
-    record = json_object(line, BadLine)
+    record = json_object(line, BadLine, limits.max_json_depth if limits else 64)
     if "id" not in record:
         raise BadLine("missing 'id'")
     rid = record["id"]
@@ -109,9 +114,13 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limit
             raise BadLine("'extra_args' must be an object")
         params["extra_args"] = {**(params.get("extra_args") or {}), **extra}
     try:
-        return rid, prompt, SamplingParams.from_dict(params)
+        sampling = SamplingParams.from_dict(params)
     except (ValueError, TypeError) as exc:
         raise BadLine(f"invalid sampling_params: {exc}") from None
+    if limits is not None and sampling.n > limits.max_requests_per_line:
+        raise BadLine(f"n={sampling.n} sequences: a line may ask for at most {limits.max_requests_per_line} "
+                      "(input.max_requests_per_line in the config)")
+    return rid, prompt, sampling
 
 
 UTF8_BOM = b"\xef\xbb\xbf"

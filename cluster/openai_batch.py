@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.chat import RENDER_LIMIT_S, render_chat, request_template_kwargs
-from cluster.job_lines import json_object
+from cluster.job_lines import InputLimits, json_object
 from coordinator.request import CompletionOutput, Logprob, RequestOutput, top_of
 from processors import SamplingParams
 
@@ -56,14 +56,16 @@ class BatchRequest:
     model: str | None
 
 
-def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any], max_chars: int | None = None) -> BatchRequest:
-    """One OpenAI batch line; ``max_chars``: the longest chat text that can fit (``coordinator.prompt_limits``)."""
-    record = json_object(line, BatchLineError)
+def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any],
+                     limits: InputLimits | None = None) -> BatchRequest:
+    """One OpenAI batch line; ``limits``: the longest chat text that can fit (``coordinator.prompt_limits``),
+    the deepest nesting and the most requests a line may ask for."""
+    record = json_object(line, BatchLineError, limits.max_json_depth if limits else 64)
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise BatchLineError("missing or non-string 'custom_id'")
     try:
-        return _parse(record, custom_id, tokenizer, defaults, max_chars)
+        return _parse(record, custom_id, tokenizer, defaults, limits)
     except BatchLineError:
         raise
     except (ValueError, TypeError) as exc:
@@ -71,7 +73,7 @@ def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any], max_ch
 
 
 def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dict[str, Any],
-           max_chars: int | None) -> BatchRequest:
+           limits: InputLimits | None) -> BatchRequest:
     unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise ValueError(f"unknown field(s) {unknown}")
@@ -111,7 +113,8 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
             raise ValueError("top_logprobs needs logprobs: true")
         prompt: str | list[int] = render_chat(tokenizer, body.get("messages"),
                                               request_template_kwargs(body.get("chat_template_kwargs")),
-                                              max_chars=max_chars, time_limit_s=RENDER_LIMIT_S)
+                                              max_chars=limits.max_prompt_chars if limits else None,
+                                              time_limit_s=RENDER_LIMIT_S)
     else:
         if body.get("echo"):
             raise ValueError("body.echo: echoing the prompt is not supported")
@@ -120,15 +123,27 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             # Several prompts, as OpenAI and vLLM take them: choices come prompt by prompt, n each.
+            _check_fan_out(len(prompt), params.get("n", 1), limits)
             for p in prompt:
                 _check_prompt(p)
             prompt = prompt[0] if len(prompt) == 1 else PromptParts(prompt)
         else:
             _check_prompt(prompt)
+    if not isinstance(prompt, PromptParts):
+        _check_fan_out(1, params.get("n", 1), limits)
     response_format = body.get("response_format")
     if response_format is not None:
         params["structured_outputs"] = _response_format(response_format)
     return BatchRequest(custom_id, url, prompt, SamplingParams.from_dict(params), top_logprobs, body.get("model"))
+
+
+def _check_fan_out(num_prompts: int, n: Any, limits: InputLimits | None) -> None:
+    """A line becomes ``prompts x n`` sequences: refused, before any is built, past the line cap."""
+    cap = limits.max_requests_per_line if limits else None
+    rows = num_prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+    if cap is not None and rows > cap:
+        raise ValueError(f"this line asks for {rows} sequences ({num_prompts} prompts x n={n}); a line may ask for "
+                         f"at most {cap} (input.max_requests_per_line in the config); split it into several lines")
 
 
 def _check_prompt(prompt: Any) -> None:
