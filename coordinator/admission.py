@@ -9,15 +9,14 @@ fails any of it finishes alone, with the reason as its error.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from coordinator.coordinator_config import CoordinatorConfig, ModelInfo
+from coordinator.grammar_check import GrammarCheck
 from coordinator.prompt_limits import check_prompt_chars, max_prompt_chars
 from coordinator.request import Request, RequestStatus
 from processors import SamplingParams, validate_logits_processors_parameters
 from processors.request_level import RequestLevelAdapter, check_request_setting
-from processors.grammar_processor import GrammarCache
 from workers.sampler import Sampler
 
 
@@ -27,8 +26,7 @@ class Admission:
         self.model = model
         self.config = config
         self._max_prompt_chars: int | None = None  # coordinator.prompt_limits, on the first text prompt
-        self._grammar_cache: GrammarCache | None = None
-        self._compile_pool: ThreadPoolExecutor | None = None
+        self._grammar_check: GrammarCheck | None = None
         self._compiling: list[Request] = []  # waiting requests whose constraint is compiling
 
     def tokenize(self, text: str) -> list[int]:
@@ -87,15 +85,14 @@ class Admission:
     # ----- structured-output constraints -----
 
     def compile_later(self, request: Request) -> None:
-        """Compile a new constraint off the step loop; the request is admitted once it is ready.
+        """Compile a new constraint off the step loop (``coordinator.grammar_check``: in a child process,
+        bounded in time and memory); the request is admitted once it has compiled.
 
         Compiling also validates: a bad schema, regex or grammar fails only its request."""
         constraint = request.params.structured_outputs
         if constraint is None or self._grammars().cached(constraint):
             return
-        if self._compile_pool is None:
-            self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-grammar")
-        request.grammar = self._compile_pool.submit(self._grammars().get, constraint)
+        request.grammar = self._grammars().submit(constraint)
         self._compiling.append(request)
 
     def failed_constraints(self) -> list[tuple[Request, str]]:
@@ -117,10 +114,12 @@ class Admission:
         self._compiling = still
         return failed
 
-    def _grammars(self) -> GrammarCache:
-        if self._grammar_cache is None:
-            self._grammar_cache = GrammarCache(self.tokenizer, self.model.vocab_size, self.config.grammar_cache_size)
-        return self._grammar_cache
+    def _grammars(self) -> GrammarCheck:
+        if self._grammar_check is None:
+            config = self.config
+            self._grammar_check = GrammarCheck(self.tokenizer, self.model.vocab_size, config.grammar_compile_timeout_s,
+                                               config.grammar_compile_max_memory, config.grammar_cache_size)
+        return self._grammar_check
 
 
 def _is_request_level(spec: Any) -> bool:

@@ -69,4 +69,6 @@ class CoordinatorConfig:
     default_params: SamplingParams = field(default_factory=SamplingParams)
     reasoning_enabled: bool = False  # a reasoning section (thinking budgets) is configured
     grammar_cache_size: int = 256
+    grammar_compile_timeout_s: float = 10.0  # structured_outputs.compile_timeout_s
+    grammar_compile_max_memory: int = 2 << 30  # structured_outputs.compile_max_memory
     max_logprobs: int = 20

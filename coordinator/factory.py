@@ -43,6 +43,8 @@ def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block
         reasoning_enabled=config.reasoning is not None,
         processors_from_entry_points=config.processors_from_entry_points,
         grammar_cache_size=config.structured_outputs.grammar_cache_size,
+        grammar_compile_timeout_s=config.structured_outputs.compile_timeout_s,
+        grammar_compile_max_memory=config.structured_outputs.compile_max_memory,
     )
     spec = config.speculative
     if spec is None:

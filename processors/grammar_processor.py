@@ -53,10 +53,11 @@ def grammar_error_reason(exc: Exception) -> str:
 class GrammarCache:
     """Compiles each distinct constraint once; least recently used evicted past ``capacity``."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = DEFAULT_CACHE_SIZE, info: Any = None) -> None:
+        """``info``: an ``xgrammar.TokenizerInfo`` already built (then ``tokenizer`` is not read)."""
         import xgrammar as xgr
 
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = info if info is not None else xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.capacity = capacity
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
@@ -78,6 +79,10 @@ class GrammarCache:
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def compile(self, p: StructuredOutputsParams) -> Any:
+        """Compile ``p`` without caching it; ValueError with the reason when it does not compile."""
+        return self._compile(p)
 
     def _compile(self, p: StructuredOutputsParams) -> Any:
         kind = p.kind

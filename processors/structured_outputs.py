@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json as jsonlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -61,8 +61,8 @@ class StructuredOutputsParams:
         return self.kind, value, self.disable_any_whitespace, self.disable_additional_properties
 
     def to_dict(self) -> dict[str, Any]:
-        defaults = {f.name: f.default for f in fields(self)}
-        return {k: v for k, v in asdict(self).items() if v != defaults[k]}
+        """The fields set, shallow (``asdict`` recurses once per level of a schema)."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) != f.default}
 
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputsParams | None:

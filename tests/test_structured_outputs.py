@@ -130,35 +130,43 @@ def test_with_reasoning_the_constraint_starts_after_thinking():
     assert eng.tokenizer.decode(answer, skip_special_tokens=True) in CHOICES, out.text
 
 
-def test_a_compiling_grammar_does_not_hold_back_other_requests(monkeypatch):
-    """While a constraint compiles, requests behind it are admitted and run."""
-    import threading
+def nested_schema(depth: int) -> dict:
+    """A schema whose compile time grows with the cube of its depth (400 levels: 89 s on the real vocabulary)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
-    from processors.grammar_processor import GrammarCache
 
-    release = threading.Event()
-    compile_ = GrammarCache._compile
-
-    def slow(self, params):
-        release.wait(30)
-        return compile_(self, params)
-
-    monkeypatch.setattr(GrammarCache, "_compile", slow)
-    eng = engine()
-    slow_id = eng.add_request("x", SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"choice": CHOICES}))
-    free_id = eng.add_request("y", SamplingParams(temperature=0.0, max_tokens=5))
+def test_a_constraint_past_the_compile_bound_fails_alone_and_holds_nothing_back():
+    """A schema still compiling after structured_outputs.compile_timeout_s fails its request with the reason;
+    a constraint and a free request sent after it finish while it compiles; the same schema is refused again."""
+    eng = engine(structured_outputs={"compile_timeout_s": 2.0})
+    slow = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"json": nested_schema(400)})
+    slow_id = eng.add_request("x", slow)
+    choice_id = eng.add_request("y", SamplingParams(temperature=0.0, max_tokens=10, structured_outputs={"choice": CHOICES}))
+    free_id = eng.add_request("z", SamplingParams(temperature=0.0, max_tokens=5))
     done = {}
-    while free_id not in done:
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert slow_id not in done and not eng.coordinator.rows[slow_id].finished  # still waiting, not blocking
-    release.set()
     while eng.has_unfinished():
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = out
-    assert done[slow_id].text in CHOICES
+                done.setdefault(out.request_id, (out, len(done)))
+    (slow_out, slow_rank), (choice_out, choice_rank), (free_out, _) = done[slow_id], done[choice_id], done[free_id]
+    assert slow_out.error == ("structured_outputs.json took more than 2s to compile "
+                              "(structured_outputs.compile_timeout_s); its compilation was stopped")
+    assert choice_out.error is None and choice_out.outputs[0].text in CHOICES and free_out.error is None
+    assert choice_rank < slow_rank  # compiled on a second child while the first was busy
+    again = eng.generate("x", slow)[0]
+    assert again.error == slow_out.error
+
+
+def test_a_constraint_past_the_memory_bound_fails_alone():
+    eng = engine(structured_outputs={"compile_max_memory": "1MiB", "compile_timeout_s": 60})
+    outs = eng.generate(["x", "y"], [SamplingParams(max_tokens=4, structured_outputs={"json": nested_schema(120)}),
+                                     SamplingParams(temperature=0.0, max_tokens=3)])
+    assert outs[0].error == ("structured_outputs.json needed more than 1 MiB to compile "
+                             "(structured_outputs.compile_max_memory); its compilation was stopped"), outs[0].error
+    assert outs[1].error is None
 
 
 def test_structural_tag_in_vllms_format_and_yaml_defaults():
