@@ -1,6 +1,6 @@
 """Steps on workers that are plain objects in this process, one after another.
 
-The step runs on a thread of its own, so a call that never returns (a processor
+The step runs on a daemon thread of its own, so a call that never returns (a processor
 stuck for one request) ends the wait after ``cluster.call_timeout_s`` as it does on
 Ray. A Python thread cannot be killed: the stuck one is abandoned with the worker it
 holds, and told not to touch any other worker when it wakes; so is the compute thread
@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from cluster.background import SerialThread
 from cluster.executor import Executor, StepFailure, StepRaised, WorkersLost
 from workers.compute_thread import abandon_compute_thread
 from workers.sampler import LogitsProcessorError
@@ -36,7 +37,7 @@ class InProcessExecutor(Executor):
         self._new_thread()
 
     def _new_thread(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysample-local-step")
+        self._pool = SerialThread("raysample-local-step")
         self._cancelled = threading.Event()
         self._current = -1
 
@@ -64,7 +65,7 @@ class InProcessExecutor(Executor):
         except FutureTimeout:  # a worker's call never returned: abandon its thread
             hung = self._current
             self._cancelled.set()
-            self._pool.shutdown(wait=False)
+            self._pool.stop()
             self._new_thread()
             abandon_compute_thread()
             return WorkersLost([hung], f"hung (no answer in {self.timeout_s:.0f}s)")
@@ -92,6 +93,6 @@ class InProcessExecutor(Executor):
             worker.reset()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._pool.stop()
         for worker in self.workers.values():
             worker.shutdown()

@@ -18,23 +18,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
-from cluster.config import ConfigError, load_config
-from cluster.engine_factory import build_engine
-from cluster.job_formats import GenerateFormat, OpenAIBatchFormat, pending_lines
-from cluster.job_lines import input_lines
-from cluster.job_paths import JobPathError, check_job_paths
-from cluster.job_progress import describe_start
-from cluster.job_records import OutputLocked, lock_output
-from cluster.job_runner import run_job
-from cluster.preflight import PreflightError, preflight
-from cluster.quiet import quiet_libraries
-
+# Only the standard library above: the rest (torch, Ray, pydantic) is imported in ``_run``, after the
+# signal handlers are in place, so Ctrl-C or SIGTERM in the seconds torch takes to load is an
+# interrupt like any other: one line and the exit code, no traceback.
 
 logger = logging.getLogger("raysample.job")
 
@@ -76,22 +71,94 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def interrupted_message(output: Path) -> str:
-    return (f"\nraysample: interrupted; the results so far are in {output}. Re-running the same command "
+def interrupted_message(output: Path, overwrite: bool = False) -> str:
+    hint = " without --overwrite" if overwrite else ""
+    return (f"\nraysample: interrupted; the results so far are in {output}. Re-running the same command{hint} "
             "resumes where this run stopped.")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (a scheduler's stop, ``kill``): every result so far is kept."""
+
+
+_terminated = threading.Event()  # Ray's wait turns any exception a handler raises into KeyboardInterrupt
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    _terminated.set()
+    raise Terminated()
+
+
+def handle_sigterm() -> None:
+    """SIGTERM raises ``Terminated`` in the main thread (``cluster.ray_cluster.ensure_ray`` keeps it
+    over Ray's own, which aborts with a native stack dump: exit 134)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def interrupted(exc: KeyboardInterrupt, args: argparse.Namespace) -> int:
+    """One line with the resume hint; 143 for SIGTERM, 130 for Ctrl-C (128 + the signal, as shells report)."""
+    print(interrupted_message(args.output, getattr(args, "overwrite", False)), file=sys.stderr, flush=True)
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) or _terminated.is_set() else signal.SIGINT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    handle_sigterm()
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except KeyboardInterrupt:  # at any point: starting up included; every result so far is written
-        print(interrupted_message(args.output), file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as exc:  # at any point: starting up included; every result so far is written
+        return interrupted(exc, args)
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        # SIGTERM while ray.init ran: Ray's handler (sys.exit(15)) held the signal for that moment
+        return interrupted(Terminated(), args)
+
+
+def cli() -> NoReturn:
+    """The ``raysample`` command (and ``python -m cluster.job``): ``main``, then out."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before the arguments were read
+        print("\nraysample: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave once the summary is written, whatever threads remain.
+
+    A step abandoned in a hung processor, or a compute thread inside a torch kernel when Ctrl-C
+    came, may never finish: the interpreter's exit would wait for it forever (the threads of a
+    ``ThreadPoolExecutor`` are joined) or stop it from under a native frame that cannot unwind
+    ("terminate called without an active exception", exit 134). So the exit handlers run (Ray's
+    shutdown among them), output is flushed, and the process ends without tearing down threads.
+    """
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from cluster import job_runner
+    from cluster.config import ConfigError, load_config
+    from cluster.engine_factory import build_engine
+    from cluster.job_formats import GenerateFormat, OpenAIBatchFormat, pending_lines
+    from cluster.job_lines import input_lines
+    from cluster.job_paths import JobPathError, check_job_paths
+    from cluster.job_progress import describe_start
+    from cluster.job_records import OutputLocked, lock_output, rejected_path, set_aside_torn
+    from cluster.preflight import PreflightError, preflight
+    from cluster.quiet import quiet_libraries
+
     try:
         config = load_config(args.config)
         if args.job_name:
@@ -129,6 +196,15 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if args.overwrite:
         lock.truncate(0)
+    elif (torn := set_aside_torn(args.output)):
+        try:
+            lock.close()
+            lock = lock_output(args.output)  # the rewritten file is a new one
+        except OutputLocked as exc:
+            print(f"raysample: {exc}", file=sys.stderr)
+            return 2
+        print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
+              f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
     resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
     print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
     line_format.prefetch_tokenizer()
@@ -149,24 +225,23 @@ def _run(args: argparse.Namespace) -> int:
     try:
         name = getattr(backend, "name", None)
         print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
-        counters = run_job(config, backend, args.input, args.output,
+        counters = job_runner.run_job(config, backend, args.input, args.output,
                            args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
                            line_format)
         stats = backend.stats()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # Every result so far was written and flushed as it finished; nothing is torn.
-        print(interrupted_message(args.output), file=sys.stderr, flush=True)
-        return 130
+        return interrupted(exc, args)
     except Exception as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"raysample: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"raysample: the job failed: {type(exc).__name__}: {first}" + ("" if args.verbose else
+              " (--verbose shows the traceback)") + f"; the results so far are in {args.output}, and re-running the "
+              "same command resumes", file=sys.stderr, flush=True)
         return 1
     finally:
-        try:
-            backend.shutdown()
-        except KeyboardInterrupt:
-            pass
+        shut_down(backend, args.verbose)
     elapsed = time.monotonic() - counters.started
     acceptance = stats.get("spec_acceptance")
     where = "the engine started (--local)" if args.local else "Ray was up"
@@ -185,5 +260,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def shut_down(backend: Any, verbose: bool) -> None:
+    """Stop the engine; a failure here (the engine already gone, a second Ctrl-C) was reported or
+    does not matter once the job has ended, so it prints nothing more."""
+    try:
+        backend.shutdown()
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001
+        if verbose:
+            print(f"raysample: stopping the engine: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -4,6 +4,7 @@ reading it back to resume; the lock that keeps a second job off the same output.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,18 +64,59 @@ class Written:
         return digest in self.lines or (key is not None and key in self.ids)
 
 
+def parse_record(raw: bytes) -> dict[str, Any] | None:
+    """One output line as a record, or None for a torn one (cut short, overwritten, not an object)."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Records of an existing output; a torn last line from a crash is skipped (and later overwritten)."""
+    """Records of an existing output; torn lines are skipped (``set_aside_torn`` moves them out)."""
     if not path.exists():
         return
     with path.open("rb") as f:
         for raw in f:
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(record, dict):
+            if raw.strip() and (record := parse_record(raw)) is not None:
                 yield record
+
+
+def rejected_path(path: Path) -> Path:
+    return path.with_name(path.name + ".rejected")
+
+
+def set_aside_torn(path: Path) -> int:
+    """Move every torn line of an existing output to ``<output>.rejected`` (appended), leaving valid JSONL.
+
+    A torn record (a crash mid-write, a full disk, an edit) was skipped on resume, so its id ran
+    again, but the file stayed unparseable. The output is rewritten only when a torn line is found:
+    into a temporary file beside it, then renamed over it (a crash leaves the old file or the new).
+    Returns how many lines were set aside; the caller must lock the new file again."""
+    if not path.exists() or not path.stat().st_size:
+        return 0
+    with path.open("rb") as f:
+        if all(parse_record(raw) is not None for raw in f if raw.strip()):
+            return 0
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torn = 0
+    with path.open("rb") as f, temp.open("wb") as kept, rejected_path(path).open("ab") as rejected:
+        for raw in f:
+            if not raw.strip():
+                continue
+            line = raw if raw.endswith(b"\n") else raw + b"\n"
+            if parse_record(raw) is None:
+                rejected.write(line)
+                torn += 1
+            else:
+                kept.write(line)
+        rejected.flush()
+        os.fsync(rejected.fileno())
+        kept.flush()
+        os.fsync(kept.fileno())
+    os.replace(temp, path)
+    return torn
 
 
 def open_for_append(path: Path) -> TextIO:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -22,6 +26,24 @@ def ensure_ray(config: RaysampleConfig) -> None:
     """
     if ray.is_initialized():
         return
+    with callers_sigterm_handler():
+        _init(config)
+
+
+@contextmanager
+def callers_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` installs a SIGTERM handler of its own (``sys.exit(15)``, and a native one that dumps a
+    stack and aborts): the caller's (the job's: one line and exit 143) is put back once Ray is up."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init(config: RaysampleConfig) -> None:
     cluster = config.cluster
     kwargs: dict[str, Any] = {"namespace": cluster.namespace, "log_to_driver": True, "ignore_reinit_error": True}
     if cluster.address == "local" and os.environ.get("RAY_ADDRESS"):

@@ -206,13 +206,13 @@ def test_cli_edges(tmp_path, capsys):
 
 def test_engine_failures_make_the_exit_code_non_zero(tmp_path, capsys, monkeypatch):
     """Records the engine failed (retryable) mean the job did not finish: exit 1, and say how to resume."""
-    import cluster.job as job
+    import cluster.job_runner as job_runner
 
     def engine_down(config, backend, source, output, *args, **kwargs):
         output.write_text(json.dumps({"id": "a", "error": "all raysample workers are gone", "retryable": True}) + "\n")
         return JobCounters(total_lines=1, errors=1, retryable=1)
 
-    monkeypatch.setattr(job, "run_job", engine_down)
+    monkeypatch.setattr(job_runner, "run_job", engine_down)
     code, err = cli(tmp_path, capsys, str(tmp_path / "o.jsonl"))
     assert code == 1 and "1 request(s) failed because the engine did" in err and "retries them" in err
 
