@@ -51,10 +51,14 @@ def _unset_nulls(value: Any) -> Any:
 
 def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]) -> tuple[str, Any, Any]:
     """(engine request id, prompt, SamplingParams) of one row, by the JSONL job's rules; ``BadLine`` if it cannot run."""
-    record = {k: _unset_nulls(row[k]) for k in INPUT_FIELDS if row.get(k) is not None}
-    rid = record.get("id")
-    record["id"] = rid if rid is not None else f"row-{uuid.uuid4().hex}"
-    _, prompt, params = parse_line(json.dumps(record), defaults, tokenizer)
+    try:
+        record = {k: _unset_nulls(row[k]) for k in INPUT_FIELDS if row.get(k) is not None}
+        rid = record.get("id")
+        record["id"] = rid if rid is not None else f"row-{uuid.uuid4().hex}"
+        text = json.dumps(record)
+    except RecursionError:  # parse_line refuses past 64 levels; this deep, even writing it out fails
+        raise BadLine("the row nests objects/arrays too deeply to be read") from None
+    _, prompt, params = parse_line(text, defaults, tokenizer)
     if params.n != 1:
         raise BadLine(f"n={params.n}: a dataset row holds one completion; give one row per sample (with distinct "
                       "seeds or ids)")

@@ -36,6 +36,8 @@ class StructuredOutputsParams:
                 jsonlib.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("structured_outputs.json nests too deeply to be parsed") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_outputs.json must be a schema (object or string), got {type(self.json).__name__}.")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice

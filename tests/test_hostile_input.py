@@ -18,10 +18,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# The job's main, then its peak resident memory on stderr.
+MEASURED_MAIN = ("import resource, sys; from cluster.job import main; code = main(sys.argv[1:]); "
+                 "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
 
 
 def job(tmp_path: Path, lines: list[bytes], *extra: str) -> tuple[list[str], Path]:
@@ -30,9 +36,7 @@ def job(tmp_path: Path, lines: list[bytes], *extra: str) -> tuple[list[str], Pat
     (tmp_path / "in.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
     output = tmp_path / "out.jsonl"
     output.unlink(missing_ok=True)
-    run = ("import resource, sys; from cluster.job import main; code = main(sys.argv[1:]); "
-           "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
-    args = [sys.executable, "-c", run, "generate", "--config", str(tmp_path / "c.yaml"), "--input",
+    args = [sys.executable, "-c", MEASURED_MAIN, "generate", "--config", str(tmp_path / "c.yaml"), "--input",
             str(tmp_path / "in.jsonl"), "--output", str(output), "--local", *extra]
     return args, output
 
@@ -189,17 +193,19 @@ def test_run_batch_lines_that_fan_out_or_nest_fail_alone(tmp_path):
             "an option of the tokenizer's call, not a variable of the chat template (chat_template_kwargs reach the "
             "template only)",
     }
-    outputs = {}
+    outputs, peaks = {}, {}
     for name, lines in (("clean", good), ("hostile", [*hostile, *good])):
         write_lines(tmp_path / f"{name}.jsonl", lines)
         out = tmp_path / f"{name}.out.jsonl"
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "cluster.job", "run-batch", "-i", str(tmp_path / f"{name}.jsonl"),
+        done = subprocess.run([sys.executable, "-c", MEASURED_MAIN, "run-batch", "-i", str(tmp_path / f"{name}.jsonl"),
                                "-o", str(out), "--config", str(tmp_path / "c.yaml"), "--local"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert time.monotonic() - started < 120
         outputs[name] = {r["custom_id"] or r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        peaks[name] = peak_mib(done.stderr)
+    assert peaks["hostile"] <= 1.5 * peaks["clean"], peaks
     got = outputs["hostile"]
     for line, error in hostile.items():
         custom_id = json.loads(line)["custom_id"]
@@ -312,3 +318,40 @@ def test_on_ray_sigterm_is_one_line_and_143_and_a_dead_coordinator_is_reported_o
     assert errors == sorted((rid or "", error) for rid, error in HOSTILE_LINES.values())
     assert {r["id"] for r in records if r.get("finish_reason") != "error"} == \
         {r["id"] for r in GOOD_LINES} | set(range(60))
+
+
+def test_the_depth_bound_counts_levels_exactly_and_never_recurses():
+    from hypothesis import given, strategies as st
+
+    from cluster.json_input import JSONLineError, json_depth_over, load_json
+
+    def depth(value) -> int:
+        if isinstance(value, dict):
+            return 1 + max(map(depth, value.values()), default=0)
+        if isinstance(value, list):
+            return 1 + max(map(depth, value), default=0)
+        return 0
+
+    values = st.recursive(st.none() | st.integers() | st.text(max_size=3),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+                          max_leaves=30)
+
+    @given(values, st.integers(1, 8))
+    def agrees(value, limit):
+        assert json_depth_over(value, limit) == (depth(value) > limit)
+
+    agrees()
+    deep = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion limit: refused, not a crash
+    for text, limit in ((deep, 64), ("[" * 65 + "]" * 65, 64)):
+        with pytest.raises(JSONLineError, match="more than 64 levels deep"):
+            load_json(text, limit)
+    assert load_json("[" * 64 + "]" * 64, 64)
+
+
+def test_a_schema_given_as_text_too_deep_to_parse_is_that_lines_error():
+    from cluster.job_lines import BadLine, InputLimits, parse_line
+
+    deep = "[" * 5000 + "]" * 5000
+    for params in ({"structured_outputs": {"json": deep}}, {"guided_json": deep}):
+        with pytest.raises(BadLine, match="^invalid sampling_params: structured_outputs.json nests too deeply"):
+            parse_line(json.dumps({"id": 1, "prompt": "x", "sampling_params": params}), {}, None, InputLimits(256, 10**6))
