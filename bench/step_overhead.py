@@ -60,7 +60,8 @@ def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) 
         if plan is None:
             break
         results = [w.step(plan) for w in engine.workers]
-        engine.coordinator.process(plan, results)
+        engine.coordinator.accept_step(plan, results)
+        engine.coordinator.take_outputs()
         compute = sum(r.compute_s for r in results)  # in one process the workers run one after another
         overheads.append((time.perf_counter() - start - compute) * 1000)
     return statistics.median(overheads)

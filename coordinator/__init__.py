@@ -1,1 +1,2 @@
-"""Persistent batch, scheduler, drafter, detokenizer, the coordinator and its Ray wrapper."""
+"""Persistent batch, scheduler, drafter, detokenizer and the coordinator that plans each step.
+Its Ray wrapper is ``cluster.coordinator_actor``."""

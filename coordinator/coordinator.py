@@ -47,8 +47,6 @@ __all__ = ["Coordinator", "CoordinatorConfig", "KVSettings", "ModelInfo", "Engin
 
 
 class Coordinator:
-    acceptance_type = Acceptance  # tests put a per-row reference here
-
     def __init__(self, tokenizer: Any, model: ModelInfo, config: CoordinatorConfig,
                  drafter: NgramDrafter | None = None, draft_policy: DraftPolicy | None = None) -> None:
         self.tokenizer = tokenizer
@@ -59,23 +57,21 @@ class Coordinator:
         self.draft_policy = draft_policy if drafter is not None else None
         kv = config.kv
         self.kv = KVCacheManager(config.num_workers, kv.num_blocks, kv.block_size, kv.prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.num_workers, config.rows_per_worker,
-                                   kv.max_num_batched_tokens, self.kv, model.max_model_len)
         self._drafts = BatchNgramDrafter(drafter, config.max_num_seqs) if drafter is not None else None
-        if self._drafts is not None:
-            self.scheduler.table.on_release = self._drafts.release
+        self.quarantine = quarantine = Quarantine()
+        self.scheduler = Scheduler(config.max_num_seqs, config.num_workers, config.rows_per_worker,
+                                   kv.max_num_batched_tokens, self.kv, model.max_model_len,
+                                   admits=lambda request: quarantine.admits(request.group.request_id),
+                                   on_release=self._drafts.release if self._drafts is not None else None)
         self.batch = PersistentBatch(config.max_num_seqs)
         self.kv_note: str | None = None  # where the workers' KV budget came from (cluster.memory)
-        self.quarantine = Quarantine()
-        self.scheduler.admits = lambda request: self.quarantine.admits(request.group.request_id)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
         self.rows: dict[str, Request] = {}  # by row id (a child of an n > 1 request has its own)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.admission = Admission(tokenizer, model, config)
         self.outputs = OutputBuilder(tokenizer, self.detokenizers)
-        self.acceptance = self.acceptance_type(tokenizer, self.scheduler, self.metrics, self.outputs,
-                                               self.detokenizers, self._finished_row, self._drafts,
-                                               self.draft_policy)
+        self.acceptance = Acceptance(tokenizer, self.scheduler, self.metrics, self.outputs, self.detokenizers,
+                                     self._finished_row, self._drafts, self.draft_policy)
         # Rows to drop from the batch at the next plan: the requests themselves, not their ids, as an
         # id may be given to a new request before that plan (the old one's slot must still be released).
         self._to_remove: list[Request] = []
@@ -429,11 +425,6 @@ class Coordinator:
         kept = [chosen.get(rid, []) for rid in ids]
         return (np.array([len(d) for d in kept], dtype=np.int32),
                 np.array([t for d in kept for t in d], dtype=np.int32))
-
-    def process(self, plan: StepPlan, results: Sequence[StepResult]) -> list[RequestOutput]:
-        """Take the sampled tokens of ``plan``'s step; return outputs of requests that changed."""
-        self.accept_step(plan, results)
-        return self.take_outputs()
 
     def accept_step(self, plan: StepPlan, results: Sequence[StepResult]) -> None:
         """Take the sampled tokens of ``plan``'s step and apply the finish rule: all the next plan

@@ -66,7 +66,7 @@ class StepCostModel:
 
 
 @dataclass
-class Acceptance:
+class AcceptanceHistory:
     """Decayed counts of draft positions verified and accepted."""
 
     accepted: float = 0.0
@@ -89,8 +89,8 @@ class DraftPolicy:
     def __init__(self) -> None:
         self.cost = StepCostModel()
         self.pass_s = 0.0  # seconds of one sampling pass over a shard, recent average
-        self.overall = Acceptance(accepted=1.0, trials=2.0)  # prior: one in two
-        self.rows: dict[str, Acceptance] = {}
+        self.overall = AcceptanceHistory(accepted=1.0, trials=2.0)  # prior: one in two
+        self.rows: dict[str, AcceptanceHistory] = {}
 
     def rate(self, request_id: str) -> float:
         """Estimated chance that a draft position is accepted given those before it were."""
@@ -103,7 +103,7 @@ class DraftPolicy:
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self.rows.setdefault(request_id, Acceptance()).add(proposed, accepted)
+        self.rows.setdefault(request_id, AcceptanceHistory()).add(proposed, accepted)
         self.overall.accepted += accepted
         self.overall.trials += min(proposed, accepted + 1)
 

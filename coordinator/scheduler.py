@@ -83,18 +83,20 @@ class StepSchedule:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_workers: int, rows_per_worker: int, max_num_batched_tokens: int,
-                 kv: KVCacheManager, max_model_len: int = 1 << 30) -> None:
+                 kv: KVCacheManager, max_model_len: int = 1 << 30, admits: Callable[[Request], bool] | None = None,
+                 on_release: Callable[[int], None] | None = None) -> None:
+        """``admits``: which waiting requests may be admitted now (the coordinator's quarantine; None: all);
+        ``on_release``: told of each slot freed (``SlotTable``)."""
         self.max_num_seqs = max_num_seqs
         self.rows_per_worker = rows_per_worker
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
-        self.table = SlotTable(max_num_seqs, max_model_len, kv.block_size)
+        self.table = SlotTable(max_num_seqs, max_model_len, kv.block_size, on_release)
         self.waiting: deque[Request] = deque()
         self.load = [0] * num_workers  # running requests per worker
         self.alive = set(range(num_workers))
         self.num_preemptions = 0
-        # Which waiting requests may be admitted now (the coordinator's quarantine); None: all.
-        self.admits: Callable[[Request], bool] | None = None
+        self.admits = admits
 
     @property
     def num_workers(self) -> int:
@@ -199,7 +201,7 @@ class Scheduler:
                 continue  # suspects of an engine failure run apart from everyone else
             if request.request_id in preempted_ids or not request.admissible():
                 break
-            owner = self._owner_for(request) if request.pinned_owner is not None else picker.pick()
+            owner = self._pinned_owner(request) if request.pinned_owner is not None else picker.pick()
             if owner is None:
                 break
             if request.kv is None or request.kv_owner != owner:
@@ -386,29 +388,16 @@ class Scheduler:
         for request in sorted(requests, key=lambda r: r.arrival_seq, reverse=True):
             self.waiting.appendleft(request)
 
-    def _owner_for(self, request: Request) -> int | None:
-        """Pinned owner (n > 1 siblings) or the least loaded live worker with a free row: fewest
-        running requests, then most free blocks, then the lowest id. Admission asks it for pinned
-        requests only; ``LeastLoaded`` makes the same choice for the others from a heap (and is
-        tested against this scan)."""
-        load, limit = self.load, self.rows_per_worker
-        if request.pinned_owner is not None:
-            owner = request.pinned_owner
-            return owner if owner in self.alive and load[owner] < limit else None
-        best, best_load, best_free = None, 0, 0
-        pools = self.kv.pools
-        for worker in sorted(self.alive) if len(self.alive) != len(load) else range(len(load)):
-            running = load[worker]
-            if running >= limit or (best is not None and running > best_load):
-                continue
-            free = pools[worker].num_free
-            if best is None or running < best_load or free > best_free:
-                best, best_load, best_free = worker, running, free
-        return best
+    def _pinned_owner(self, request: Request) -> int | None:
+        """The pinned owner of n > 1 siblings (they share child 0's blocks), if it is alive with a free
+        row; the others get theirs from ``LeastLoaded``."""
+        owner = request.pinned_owner
+        return owner if owner in self.alive and self.load[owner] < self.rows_per_worker else None
 
 
 class LeastLoaded:
-    """``Scheduler._owner_for``'s choice for requests without a pinned owner, from a heap.
+    """The owner of a request without a pinned one: the least loaded live worker with a free row
+    (fewest running requests, then most free blocks, then the lowest id), from a heap.
 
     A step that admits a wave asks for an owner once per request, and a scan costs O(workers)
     each time (a 64-worker engine admitting 4,096 rows: 260,000 visits). Keys are (running

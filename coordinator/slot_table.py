@@ -9,13 +9,17 @@ written back with ``store`` before any per-request code reads it, and read again
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from coordinator.request import Request
 
 
 class SlotTable:
-    def __init__(self, capacity: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, capacity: int, max_model_len: int, block_size: int,
+                 on_release: Callable[[int], None] | None = None) -> None:
+        """``on_release``: called with a slot as it is freed (the n-gram drafter forgets the row)."""
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -45,7 +49,7 @@ class SlotTable:
         self.wants_logprobs = np.zeros(capacity, bool)
         self.stream = np.zeros(capacity, bool)  # an output per step
         self.done = np.zeros(capacity, bool)  # finished (or aborted) while still in the batch
-        self.on_release = None  # called with a slot as it is freed (the n-gram drafter forgets the row)
+        self.on_release = on_release
 
     def take(self, request: Request, salted: bool, detokenizer: object = None) -> int:
         """Give ``request`` a slot and fill it from the request (admission)."""

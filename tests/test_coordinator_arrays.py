@@ -1,7 +1,7 @@
 """The coordinator's array step loop: equal to its per-row reference, and exact at 8 fake workers.
 
 The coordinator accepts tokens and applies stop conditions with array operations (issue 25);
-``PerRowAcceptance`` (here) runs every row through the per-request code instead. Both, fed the same
+``no_fast_paths`` (here) sends every row through the per-request code instead. Both, fed the same
 random results, must produce the same plans and the same outputs. Then 8 real workers (mirror,
 processor replicas, sampler) with a fake model must agree on every digest every step.
 """
@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 
 from cluster.audit import check_consistency
 from cluster.config import load_config
-from coordinator.acceptance import Acceptance
 from coordinator.coordinator import Coordinator
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
 from coordinator.factory import coordinator_from_config
@@ -40,23 +39,19 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
 
 
-class PerRowAcceptance(Acceptance):
+def no_fast_paths(simple: np.ndarray, multi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every row through the per-request code, as before the array paths existed: the reference."""
-
-    def fast_paths(self, simple: np.ndarray, multi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros_like(simple), np.zeros_like(multi)
-
-
-class PerRowCoordinator(Coordinator):
-    acceptance_type = PerRowAcceptance
+    return np.zeros_like(simple), np.zeros_like(multi)
 
 
 def coordinator(tokenizer, spec: bool, reference: bool) -> Coordinator:
     model = ModelInfo(vocab_size=VOCAB, max_model_len=64, eos_token_id=tokenizer.eos_token_id, generation_config={})
     config = CoordinatorConfig(max_num_seqs=8, num_workers=2, rows_per_worker=4,
                                kv=KVSettings(num_blocks=40, block_size=4, max_num_batched_tokens=64))
-    kind = PerRowCoordinator if reference else Coordinator
-    return kind(tokenizer, model, config, drafter=NgramDrafter(3, 1, 2) if spec else None)
+    coord = Coordinator(tokenizer, model, config, drafter=NgramDrafter(3, 1, 2) if spec else None)
+    if reference:
+        coord.acceptance.fast_paths = no_fast_paths  # this instance only
+    return coord
 
 
 request_specs = st.lists(
@@ -189,7 +184,8 @@ def test_eight_fake_workers_agree_every_step_and_every_request_finishes_once():
         results = [w.step(plan) for w in workers]
         assert plan.audit
         check_consistency(plan.step, results)  # every worker's mirror and processors agree
-        for out in coord.process(plan, results):
+        coord.accept_step(plan, results)
+        for out in coord.take_outputs():
             if out.finished:
                 finals[out.request_id] += 1
         steps += 1

@@ -1,1 +1,2 @@
-"""What runs on a GPU: batch mirror, sampler, model runner, the worker and its Ray wrapper."""
+"""What runs on a GPU (or a CPU): the worker's step (batch mirror), its sampler and model runner.
+Its Ray wrapper is ``cluster.worker_actor``."""

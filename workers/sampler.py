@@ -1,6 +1,6 @@
 """The sampler: every sampling feature is a ``LogitsProcessor`` on one BatchUpdate stream.
 
-Order, as vLLM's ``Sampler`` (see DESIGN.md "Sampler pipeline"):
+Order, as vLLM's ``Sampler`` (the project's design notes, "Sampler pipeline"; docs/architecture.md):
 
 1. raw logprobs of the rows that asked (from the logits as the model gave them)
 2. float32
