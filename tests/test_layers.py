@@ -16,3 +16,19 @@ def test_layers_contract_holds():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 kept, 0 broken" in done.stdout
+
+
+def test_import_raysample_gives_the_public_names_without_starting_ray():
+    """One import for users; the names are the packages' own objects; Ray loads only with an engine handle."""
+    script = ("import sys, raysample, processors, cluster.llm, cluster.data\n"
+              "assert raysample.SamplingParams is processors.SamplingParams\n"
+              "assert raysample.LogitsProcessor is processors.LogitsProcessor\n"
+              "assert raysample.LLM is cluster.llm.LLM and raysample.build_processor is cluster.data.build_processor\n"
+              "missing = [n for n in raysample.__all__ if getattr(raysample, n, None) is None]\n"
+              "assert not missing, missing\n"
+              "print('ray' in sys.modules)\n")
+    bare = subprocess.run([sys.executable, "-c", "import sys, raysample; print('ray' in sys.modules)"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0 and bare.stdout.strip() == "False", bare.stderr[-2000:]
+    names = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert names.returncode == 0, names.stderr[-2000:]
