@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 MAX_CHILDREN = 2  # a slow constraint holds one; the next compiles on the other
 START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first compile
 POLL_S = 0.02
+CHILD_CPU_FACTOR = 4  # a child ends itself past this many times the time bound in CPU seconds (parent gone)
 
 
 class GrammarCheck:
@@ -199,8 +200,8 @@ class Child:
                 fields["json"] = json.dumps(fields["json"])
             except RecursionError:
                 raise ValueError("structured_outputs.json nests too deeply to compile") from None
-        try:
-            self.conn.send(fields)
+        try:  # CPU time for the child's own bound: the compiler's threads can use more than the wall time
+            self.conn.send((fields, CHILD_CPU_FACTOR * timeout_s + 5.0))
         except OSError as exc:
             raise ChildLost(f"structured_outputs.{kind} could not be compiled: the compiler process is gone ({exc})")
         deadline = time.monotonic() + timeout_s

@@ -181,3 +181,22 @@ def test_structural_tag_in_vllms_format_and_yaml_defaults():
         body = out.text.split("<a>", 1)[1]
         if "</a>" in body:
             assert isinstance(json.loads(body.split("</a>", 1)[0])["x"], int)
+
+
+def test_an_orphaned_compile_ends_itself_at_its_cpu_bound():
+    """A coordinator killed mid-compile leaves its compiler child alone with the schema: the child's own CPU
+    bound (set before each compile) ends it, rather than an 89-second compile running on."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from coordinator.grammar_check import Child, ChildPool
+    from workers.tiny import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("loopy"))
+    child = Child.start(ChildPool.for_tokenizer(tokenizer, len(tokenizer)).info_json)
+    child.conn.send(({"json": json.dumps(nested_schema(450))}, 2.0))
+    started = time.monotonic()
+    child.conn.close()  # the parent is gone
+    assert child.proc.wait(timeout=60) == -24  # SIGXCPU
+    assert time.monotonic() - started < 30
