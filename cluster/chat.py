@@ -30,13 +30,15 @@ TOKENIZER_CALL_OPTIONS = frozenset({
 })
 
 
-def tokenizer_call_options(tokenizer: Any) -> frozenset[str]:
-    """The fixed set and the named parameters of this tokenizer's ``apply_chat_template`` (remote code may add some)."""
+@lru_cache(maxsize=16)
+def tokenizer_call_options(tokenizer_type: type) -> frozenset[str]:
+    """The fixed set and the named parameters of this tokenizer class's ``apply_chat_template`` (remote
+    code may add some); once per class, not per line."""
     import inspect
 
     try:
-        named = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        named = {name for name, p in inspect.signature(tokenizer_type.apply_chat_template).parameters.items()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
     except (TypeError, ValueError, AttributeError):
         named = set()
     return TOKENIZER_CALL_OPTIONS | named
@@ -57,7 +59,7 @@ def request_template_kwargs(value: Any) -> dict[str, Any] | None:
 
 def check_template_kwargs(template_kwargs: dict[str, Any], tokenizer: Any) -> None:
     """ValueError naming the first key that is an option of the tokenizer's call, not a template variable."""
-    options = tokenizer_call_options(tokenizer)
+    options = tokenizer_call_options(type(tokenizer))
     for name in sorted(template_kwargs):
         if name in options:
             raise ValueError(f"chat_template_kwargs.{name} is not allowed: it is an option of the tokenizer's call, "

@@ -34,14 +34,17 @@ def json_depth_over(value: Any, limit: int) -> bool:
 
 def load_json(text: str | bytes, max_depth: int) -> Any:
     """``text`` parsed; ``JSONLineError`` for invalid JSON or nesting past ``max_depth``."""
-    too_deep = JSONLineError(f"the line nests objects/arrays more than {max_depth} levels deep "
-                             f"({DEPTH_KEY}={max_depth}); it was not used")
     try:
         value = json.loads(text)
     except RecursionError:
-        raise too_deep from None
+        raise _too_deep(max_depth) from None
     except json.JSONDecodeError as exc:
         raise JSONLineError(f"not valid JSON: {exc}") from None
     if json_depth_over(value, max_depth):
-        raise too_deep
+        raise _too_deep(max_depth)
     return value
+
+
+def _too_deep(max_depth: int) -> JSONLineError:
+    return JSONLineError(f"the line nests objects/arrays more than {max_depth} levels deep "
+                         f"({DEPTH_KEY}={max_depth}); it was not used")
