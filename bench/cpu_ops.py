@@ -9,7 +9,7 @@ SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows
   next tasks' keys and values, and without (alternating on one runner), the kernel's own time in
   each, and whether the logits are identical;
 - **exact ops**: the forward with and without the native RMSNorm and rotary embedding
-  (``workers/exact_ops.py``): two runners of the same weights, alternating in one process (this
+  (``workers/cpu/exact_ops.py``): two runners of the same weights, alternating in one process (this
   machine's speed drifts between runs), medians, and whether their logits are identical.
 
     python bench/cpu_ops.py [--dtype bfloat16] [--position 200] [--rows 64] [--repeats 15]
@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import workers.paged_attention as paged  # noqa: E402
-from workers import exact_ops  # noqa: E402
-from workers.cpu_linear import PrepackedLinear  # noqa: E402
-from workers.model_runner import ModelRunner  # noqa: E402
-from workers.model_source import gguf_to_transformers, preset_gguf  # noqa: E402
+import workers.model.paged_attention as paged  # noqa: E402
+from workers.cpu import exact_ops  # noqa: E402
+from workers.cpu.cpu_linear import PrepackedLinear  # noqa: E402
+from workers.model.model_runner import ModelRunner  # noqa: E402
+from workers.model.model_source import gguf_to_transformers, preset_gguf  # noqa: E402
 from workers.row_work import RowWork  # noqa: E402
 
 

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch  # noqa: E402
 from processors import EngineConfig, SamplingParams  # noqa: E402
-from coordinator.persistent_batch import BatchEntry, PersistentBatch  # noqa: E402
-from workers.model_runner import ModelRunner  # noqa: E402
+from workers.model.model_runner import ModelRunner  # noqa: E402
 from workers.row_work import RowWork  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
+from workers.sample.sampler import Sampler  # noqa: E402
 
 
 def top_level_ops(fn) -> Counter:
@@ -51,10 +51,10 @@ def top_level_ops(fn) -> Counter:
 
 def model_path(tiny: bool, dtype: str) -> str:
     if tiny:
-        from workers.tiny import ensure_tiny_model
+        from workers.model.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model("default"))
-    from workers.model_source import gguf_to_transformers, preset_gguf
+    from workers.model.model_source import gguf_to_transformers, preset_gguf
 
     return str(gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), dtype))
 
@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--tiny", action="store_true", help="the tiny test model instead of the real one")
     parser.add_argument("--unmerged", action="store_true", help="transformers' layers as they are (the count before "
-                        "workers.merged_layers)")
+                        "workers.model.merged_layers)")
     args = parser.parse_args()
     path = model_path(args.tiny, args.dtype)
     runner = ModelRunner(path, "cpu", args.dtype, max_model_len=1024, max_rows=args.rows, verify=False,
@@ -99,7 +99,7 @@ def main() -> int:
     print(f"model {Path(path).name}, {args.dtype}, {args.rows} rows at position {args.position}, {layers} layers")
     print(f"greedy sampler: {sum(sampler_ops.values())} operators a step "
           f"({sum(sampler_ops.values()) / layers:.1f} a layer)")
-    from workers.static_decode import StaticDecoder
+    from workers.model.static_decode import StaticDecoder
 
     fixed = StaticDecoder(runner, "eager", args.rows)
     shape = fixed.shape(work)

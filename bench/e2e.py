@@ -30,7 +30,7 @@ of our step in each dtype, and the matmul FLOP/s our best run achieved against t
 here with torch (the linear layers' FLOPs from the model's shapes; attention's are left out).
 
 Every torch computation of this process runs on the engine's compute thread
-(``workers.compute_thread``), the references' too: a second thread running torch ops would slow
+(``workers.step.compute_thread``), the references' too: a second thread running torch ops would slow
 every later op of the engine on CPU (a second OpenMP team), whichever ran first.
 """
 
@@ -48,11 +48,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.local_engine import LocalEngine  # noqa: E402
+from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
-from workers.compute_thread import compute_thread  # noqa: E402
-from workers.cpu_linear import prepack_available  # noqa: E402
-from workers.tiny import ensure_tiny_model  # noqa: E402
+from workers.cpu.cpu_linear import prepack_available  # noqa: E402
+from workers.model.tiny import ensure_tiny_model  # noqa: E402
+from workers.step.compute_thread import compute_thread  # noqa: E402
 
 BATCH = 64
 MAX_MODEL_LEN = {"tiny": 256, "smollm2": 1024}
@@ -76,7 +76,7 @@ COPY_TEXTS = [  # long enough that a 64-token answer is mostly the copy
 def model_dir_for(name: str, dtype: str) -> Path:
     if name == "tiny":
         return ensure_tiny_model("bench")
-    from workers.model_source import gguf_to_transformers, preset_gguf
+    from workers.model.model_source import gguf_to_transformers, preset_gguf
 
     return gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), dtype)
 
@@ -184,7 +184,7 @@ class StepTimers:
 
         self.seconds = {"linear": 0.0, "forward": 0.0, "sampler": 0.0, "coordinator": 0.0, "attention": 0.0}
         worker = engine.workers[0]
-        import workers.paged_attention as paged
+        import workers.model.paged_attention as paged
 
         self._wrap(paged, "native_paged_decode", "attention")  # the decode-attention kernel (C++, CPU)
         self._wrap(worker.runner, "forward", "forward")
@@ -321,7 +321,7 @@ def matmul_peak(model_dir: Path, dtype: str) -> float:
     from torch import nn
     from transformers import AutoConfig
 
-    from workers.cpu_linear import PrepackedLinear, prepack_available
+    from workers.cpu.cpu_linear import PrepackedLinear, prepack_available
 
     config = AutoConfig.from_pretrained(model_dir)
     torch_dtype = getattr(torch, dtype)

@@ -9,7 +9,7 @@ greedy and seeded random, 48 requests: how many keep their tokens and their logp
 worker (the default step), and for each:
 
 - greedy output on 8 chat prompts against transformers' bfloat16 forward on the same GPU, by teacher
-  forcing (as ``tests/test_bfloat16.py`` measures agreement: the share of positions where our token is
+  forcing (as ``tests/workers/model/test_bfloat16.py`` measures agreement: the share of positions where our token is
   transformers' argmax, and the largest gap between the top logit and ours);
 - generated tokens/s on ``--requests`` chat requests of up to ``--max-tokens`` tokens, greedy and
   seeded random (temperature 0.8, top-p 0.95, top-k 50), ignore_eos, 64 sequences per worker;
@@ -102,7 +102,7 @@ def same_share(a: list[list[int]], b: list[list[int]]) -> str:
 
 def tiny_model_check() -> None:
     """The tiny random model, synchronous vs pipelined: how many requests keep their tokens and logprobs."""
-    from cluster.local_engine import LocalEngine
+    from cluster.engine.local_engine import LocalEngine
 
     prompts = [[1 + i, 5, 9, 3 + i, 7] * (1 + i % 5) for i in range(48)]
     for dtype in ("float32", "bfloat16"):
@@ -136,8 +136,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster import Engine
-    from cluster.local_engine import LocalEngine
-    from workers.model_source import gguf_to_transformers, preset_gguf
+    from cluster.engine.local_engine import LocalEngine
+    from workers.model.model_source import gguf_to_transformers, preset_gguf
 
     gpus = torch.cuda.device_count()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}")

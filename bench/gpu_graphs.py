@@ -6,7 +6,7 @@ In-process engines, one GPU worker, bfloat16, 64 sequences:
 
 1. the tiny random model, ``enforce_eager`` true against unset (graphs): how many of 48 requests keep
    their tokens, greedy and seeded random, float32 and bfloat16;
-2. ``--model`` (default: SmolLM2-135M-Instruct's shape with random weights, ``workers.tiny``'s
+2. ``--model`` (default: SmolLM2-135M-Instruct's shape with random weights, ``workers.model.tiny``'s
    ``smollm2-shape``, since the real weights are larger than what may travel to a lent GPU; the
    speed of a step does not depend on the weights' values), for eager and for graphs, pipelined
    (the GPU's default) and graphs synchronous:
@@ -52,7 +52,7 @@ def same(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 def tiny_check() -> None:
-    from cluster.local_engine import LocalEngine
+    from cluster.engine.local_engine import LocalEngine
 
     prompts = [[1 + i, 5, 9, 3 + i, 7] * (1 + i % 5) for i in range(48)]
     for dtype in ("float32", "bfloat16"):
@@ -118,7 +118,7 @@ def main() -> int:
 
     from bench.gpu_check import agreement
     from cluster.config import load_config
-    from cluster.local_engine import LocalEngine
+    from cluster.engine.local_engine import LocalEngine
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'}", flush=True)

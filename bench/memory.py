@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.local_engine import LocalEngine  # noqa: E402
+from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
-from workers.tiny import PRESETS, TinySpec, ensure_tiny_model  # noqa: E402
+from workers.model.tiny import PRESETS, TinySpec, ensure_tiny_model  # noqa: E402
 
 BUDGET = 32 * 2**20
 LONG_MODEL = TinySpec(**{**PRESETS["bench"].__dict__, "max_position_embeddings": 4096})

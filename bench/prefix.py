@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.local_engine import LocalEngine  # noqa: E402
+from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
-from workers.tiny import ensure_tiny_model  # noqa: E402
+from workers.model.tiny import ensure_tiny_model  # noqa: E402
 
 
 def workload(n: int, system_len: int, seed: int = 0) -> list[list[int]]:

@@ -40,9 +40,9 @@ from transformers import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from coordinator.persistent_batch import BatchEntry, PersistentBatch  # noqa: E402
+from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch  # noqa: E402
 from processors import EngineConfig, SamplingParams  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
+from workers.sample.sampler import Sampler  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN = 128, 96
 REPETITION, TEMPERATURE, TOP_K, TOP_P, MIN_P = 1.2, 0.8, 50, 0.9, 0.05

@@ -13,7 +13,7 @@ two schedules are identical step for step. Figures for every run:
   cores, which a GPU node with a core per GPU does not; against linear from one worker, and
   against the rate the modelled compute alone allows (the synchronous run's modelled step
   times: what the load needs);
-- **own core**: the rate if every process had a core of its own (``cluster.step_profile``: the
+- **own core**: the rate if every process had a core of its own (``cluster.engine.step_profile``: the
   coordinator's CPU on the critical path, an idle actor round trip, each worker's host CPU and
   modelled compute; in the pipelined step planning overlaps the forward launched ahead). CPU
   times are per thread (``time.thread_time``), which contention does not stretch.

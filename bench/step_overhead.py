@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from cluster import Engine  # noqa: E402
-from cluster.local_engine import LocalEngine  # noqa: E402
+from cluster.config import resolve  # noqa: E402
+from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 
@@ -119,10 +120,10 @@ def ray_overhead_ms(workers: int, prompts: list[str], params: SamplingParams, co
 def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, overlap: bool) -> float:
     """The step loop (``EngineCore``) in this process over compiled-graph workers, with step N's
     outputs built while step N+1 runs (the engine's way) or after step N, before planning N+1."""
-    from cluster.engine_core import EngineCore
+    from cluster.ray.engine_core import EngineCore
 
     EngineCore.overlap_outputs = overlap
-    core = EngineCore(config(workers, f"overlap-{workers}-{overlap}", compiled=True))
+    core = EngineCore(resolve(config(workers, f"overlap-{workers}-{overlap}", compiled=True)))
     try:
         core.add_requests([(p, params, None) for p in prompts[:2]])
         while core.coordinator.has_unfinished():
@@ -141,14 +142,14 @@ def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, over
 def overlap_ab_tokens_per_s(requests: int, cores: int, overlap: bool) -> float:
     """Tokens/s of the step loop in this process over one worker with every core (actor calls),
     bench model: does building outputs during the step pay when the worker's threads fill the cores?"""
-    from cluster.engine_core import EngineCore
+    from cluster.ray.engine_core import EngineCore
 
     EngineCore.overlap_outputs = overlap
-    core = EngineCore({
+    core = EngineCore(resolve({
         "model": {"tiny": "bench", "max_model_len": 256},
         "cluster": {"num_workers": 1, "cpus_per_worker": cores, "coordinator_name": f"overlap-bench-{overlap}"},
         "scheduler": {"max_num_seqs": 64},
-    })
+    }))
     try:
         prompts = [f"request {i}: " + "the quick brown fox " * (1 + i % 8) for i in range(requests)]
         params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)

@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.local_engine import LocalEngine  # noqa: E402
+from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
-from workers.tiny import ensure_tiny_model  # noqa: E402
+from workers.model.tiny import ensure_tiny_model  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import run_raysample, sampling_kwargs, workload  # noqa: E402
+
 from processors import SamplingParams  # noqa: E402
-from workers.threads import set_cpu_threads, usable_cores  # noqa: E402
-from workers.tiny import ensure_tiny_model  # noqa: E402
+from workers.model.tiny import ensure_tiny_model  # noqa: E402
+from workers.step.threads import set_cpu_threads, usable_cores  # noqa: E402
 
 
 def run_ray(model_dir: Path, jobs, workers: int, cpus: float) -> float:

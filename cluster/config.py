@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from processors import EngineConfig, ModelConfig, ProcessorSpec, SchedulerConfig, SpeculativeConfig
 
@@ -20,7 +20,7 @@ class _Section(BaseModel):
 
 
 class SimulateSection(_Section):
-    """A worker that loads no weights and sleeps for a modelled GPU step time (``workers.simulated_runner``):
+    """A worker that loads no weights and sleeps for a modelled GPU step time (``workers.doubles.simulated_runner``):
     ``preset`` (a roofline, e.g. ``llama-8b-h100``) or ``fixed_ms`` + ``per_token_ms``. The model source
     (usually ``tiny``) gives the tokenizer and vocabulary; logits are a hash of each row's last token."""
 
@@ -36,7 +36,7 @@ class SimulateSection(_Section):
 
     @model_validator(mode="after")
     def _one_timing(self) -> SimulateSection:
-        from workers.simulated_runner import PRESETS
+        from workers.doubles.simulated_runner import PRESETS
 
         explicit = self.fixed_ms is not None or self.per_token_ms is not None
         if (self.preset is None) == (not explicit):
@@ -47,7 +47,7 @@ class SimulateSection(_Section):
 
     def compute_model(self, tensor_parallel_size: int = 1) -> Any:
         """The modelled step of one worker, or of one rank of a tensor-parallel group."""
-        from workers.simulated_runner import PRESETS, ComputeModel
+        from workers.doubles.simulated_runner import PRESETS, ComputeModel
 
         if self.preset is not None:
             whole = PRESETS[self.preset]
@@ -59,7 +59,7 @@ class SimulateSection(_Section):
 class ModelSection(_Section):
     """Exactly one source: ``path`` (a transformers directory, a hub id, or a ``.gguf`` file;
     a directory plus ``gguf_file`` names a GGUF inside it), ``preset`` (a GGUF inside an
-    installed wheel, ``workers.model_source.PRESETS``) or ``tiny`` (a locally built test model).
+    installed wheel, ``workers.model.model_source.PRESETS``) or ``tiny`` (a locally built test model).
     A GGUF is converted once into a cached transformers directory (``RAYSAMPLE_CACHE_DIR``)."""
 
     path: str | None = None
@@ -73,7 +73,7 @@ class ModelSection(_Section):
     max_logprobs: int = Field(default=20, ge=-1)  # as vLLM: the most logprobs a request may ask; -1 = vocabulary
     # CPU float32: reorder linear weights once for oneDNN (2-3x faster matmuls here).
     cpu_weight_prepack: bool = True
-    # Decode and draft-verification attention on CPU: "native" is a C++ kernel (workers/native,
+    # Decode and draft-verification attention on CPU: "native" is a C++ kernel (workers/cpu/native,
     # built by make setup or on first use) that reads only each row's valid keys; "torch" is
     # batched torch products over whole KV blocks (any device). "auto": native on CPU with
     # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
@@ -81,7 +81,7 @@ class ModelSection(_Section):
     # vLLM's names. Decode steps run as forwards of fixed shape (rows padded to a capture size),
     # captured once per size as CUDA graphs on a GPU. Unset: graphs on CUDA, the variable-shape
     # forward on CPU; true: eager everywhere; false on CPU: the fixed-shape forward under
-    # torch.compile(fullgraph=True), the proof that it is graph-safe (workers/static_decode.py).
+    # torch.compile(fullgraph=True), the proof that it is graph-safe (workers/model/static_decode.py).
     enforce_eager: bool | None = None
     cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None  # default: 1, 2, 4, 8, 16, 24, ...
     # Ranks per worker (vLLM's tensor_parallel_size): each worker is a group of this many Ray actors,
@@ -105,7 +105,7 @@ class ModelSection(_Section):
 
     def gguf(self) -> Path | None:
         """The GGUF file this source names, if it names one."""
-        from workers.model_source import preset_gguf
+        from workers.model.model_source import preset_gguf
 
         if self.preset is not None:
             return preset_gguf(self.preset)
@@ -122,12 +122,12 @@ class ModelSection(_Section):
     def resolve_path(self) -> str:
         """Directory or hub id to load from (builds the tiny model, or converts a GGUF, on first use)."""
         if self.tiny is not None:
-            from workers.tiny import ensure_tiny_model
+            from workers.model.tiny import ensure_tiny_model
 
             return str(ensure_tiny_model(self.tiny))
         gguf = self.gguf()
         if gguf is not None:
-            from workers.model_source import gguf_to_transformers
+            from workers.model.model_source import gguf_to_transformers
 
             return str(gguf_to_transformers(gguf, self.dtype))
         return str(self.path)
@@ -264,7 +264,7 @@ class ProcessorItem(_Section):
         if not self.request_level:
             return ProcessorSpec(self.class_, dict(self.kwargs))
         return ProcessorSpec(
-            "processors.request_level:RequestLevelAdapter",
+            "processors.builtins.request_level:RequestLevelAdapter",
             {"target": self.class_, "enable_with": self.enable_with, "kwargs": dict(self.kwargs),
              "argmax_invariant": self.argmax_invariant},
         )
@@ -276,7 +276,7 @@ class SpeculativeSection(_Section):
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=3, ge=1)
     # adaptive: per step, verify only the drafts whose expected gain pays for their compute, from
-    # each row's acceptance history and the measured step cost (coordinator/draft_policy.py);
+    # each row's acceptance history and the measured step cost (coordinator/spec/draft_policy.py);
     # fixed: every draft the n-gram lookup finds, up to num_speculative_tokens, as vLLM does.
     draft_policy: Literal["adaptive", "fixed"] = "adaptive"
 
@@ -334,6 +334,21 @@ class RaysampleConfig(_Section):
     speculative: SpeculativeSection | None = None
     reasoning: ReasoningSection | None = None
     defaults: dict[str, Any] = Field(default_factory=dict)
+    # What ``resolve`` read of the model (``workers.model.model_facts.ModelFacts``); kept by copies and
+    # pickling, never by dumps: a config written out is the user's, a resolved one is a run's.
+    _facts: Any = PrivateAttr(default=None)
+
+    @property
+    def facts(self) -> Any:
+        """The model's folder, Hugging Face config and limits, read once where the run started."""
+        if self._facts is None:
+            raise ConfigError("this configuration has not been resolved: an entry point calls cluster.config.resolve "
+                              "once and hands the result down")
+        return self._facts
+
+    @property
+    def resolved(self) -> bool:
+        return self._facts is not None
 
     @model_validator(mode="after")
     def _pipelined_step_without_drafts(self) -> RaysampleConfig:
@@ -406,3 +421,19 @@ def load_config(source: RaysampleConfig | dict[str, Any] | str | Path) -> Raysam
         return RaysampleConfig.model_validate(source)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc)) from None
+
+
+def resolve(source: RaysampleConfig | dict[str, Any] | str | Path) -> RaysampleConfig:
+    """The configuration of one run, with its model's facts read once: the tiny model built or the GGUF
+    converted, the Hugging Face config read and max_model_len checked against the model's limit. Entry
+    points call this; everything below reads ``config.facts``. A resolved configuration comes back as it is."""
+    config = load_config(source)
+    if config.resolved:
+        return config
+    from workers.model.model_facts import ModelFacts
+
+    model = config.model
+    resolved = config.model_copy()
+    resolved._facts = ModelFacts.read(model.resolve_path(), model.tokenizer, model.max_model_len,
+                                      model.trust_remote_code)
+    return resolved

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 GiB = 1 << 30
@@ -46,13 +45,12 @@ class ModelMemory:
     max_model_len: int
 
     @classmethod
-    def of(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
-           ) -> ModelMemory:
-        """From ``config.json`` and the safetensors headers when the model is a plain local directory
-        (milliseconds: this runs on the driver before any worker starts); else from a model built on
-        the meta device (seconds: transformers and the model's code are imported)."""
-        fast = None if trust_remote_code else _from_files(Path(model_path), dtype, max_model_len)
-        return fast if fast is not None else cls.built_on_meta(model_path, dtype, max_model_len, trust_remote_code)
+    def of(cls, facts: Any, dtype: str) -> ModelMemory:
+        """From the model's facts (``workers.model.model_facts``) and its safetensors headers when the
+        model is a plain local directory (milliseconds: this runs on the driver before any worker
+        starts); else from a model built on the meta device (seconds: the model's code is imported)."""
+        fast = None if facts.trust_remote_code else _from_files(facts, dtype)
+        return fast if fast is not None else cls.built_on_meta(facts, dtype)
 
     def per_rank(self, size: int) -> ModelMemory:
         """One rank's share in a tensor-parallel group of ``size``: the linears, embeddings and KV heads
@@ -60,22 +58,20 @@ class ModelMemory:
         return ModelMemory(-(-self.weights // size), self.kv_per_token // size, self.max_model_len)
 
     @classmethod
-    def built_on_meta(cls, model_path: str, dtype: str, max_model_len: int | None, trust_remote_code: bool = False
-                      ) -> ModelMemory:
+    def built_on_meta(cls, facts: Any, dtype: str) -> ModelMemory:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        from workers.model_runner import resolve_dtype
-        from workers.model_support import kv_geometry, resolved_max_model_len
+        from workers.model.model_runner import resolve_dtype
+        from workers.model.model_support import kv_geometry
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
         size = torch.empty(0, dtype=torch_dtype).element_size()
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(facts.hf_config, trust_remote_code=facts.trust_remote_code)
         weights = sum(p.numel() for p in model.parameters()) * size
-        layers, kv_heads, head_dim = kv_geometry(config)
-        return cls(weights, 2 * layers * kv_heads * head_dim * size, resolved_max_model_len(config, max_model_len))
+        layers, kv_heads, head_dim = kv_geometry(facts.hf_config)
+        return cls(weights, 2 * layers * kv_heads * head_dim * size, facts.max_model_len)
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -83,18 +79,14 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
 _RUNTIME_BYTES_PER_ELEMENT = {"float32": 4, "auto": 4, "bfloat16": 2, "float16": 2}  # "auto" is float32 on CPU
 
 
-def _from_files(path: Path, dtype: str, max_model_len: int | None) -> ModelMemory | None:
-    """The facts without importing torch or transformers; None when the files do not say them
-    plainly (no safetensors, a nested config, a dtype or tensor type not listed here)."""
-    from workers.model_support import kv_geometry, resolved_max_model_len
+def _from_files(facts: Any, dtype: str) -> ModelMemory | None:
+    """The weights' size from the safetensors headers, without importing torch; None when the files do
+    not say it plainly (no safetensors, a dtype or tensor type not listed here)."""
+    from workers.model.model_support import kv_geometry
 
-    config_file = path / "config.json"
-    weights = sorted(path.glob("*.safetensors"))
+    weights = sorted(Path(facts.path).glob("*.safetensors"))
     size = _RUNTIME_BYTES_PER_ELEMENT.get(dtype)
-    if not config_file.is_file() or not weights or size is None:
-        return None
-    config = json.loads(config_file.read_text())
-    if not all(key in config for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+    if not weights or size is None:
         return None
     elements = 0
     for file in weights:
@@ -108,10 +100,8 @@ def _from_files(path: Path, dtype: str, max_model_len: int | None) -> ModelMemor
                 return None
             start, end = tensor["data_offsets"]
             elements += (end - start) // width
-    facts = SimpleNamespace(**{"max_position_embeddings": None, "model_type": None, **config})
-    layers, kv_heads, head_dim = kv_geometry(facts)
-    return ModelMemory(elements * size, 2 * layers * kv_heads * head_dim * size,
-                       resolved_max_model_len(facts, max_model_len))
+    layers, kv_heads, head_dim = kv_geometry(facts.hf_config)
+    return ModelMemory(elements * size, 2 * layers * kv_heads * head_dim * size, facts.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -144,50 +134,13 @@ def with_memory_plan(config: Any, plan: MemoryPlan) -> Any:
     return config.model_copy(update={"cache": cache, "cluster": cluster})
 
 
-def plan_in_process(config: Any, model_path: str) -> tuple[Any, str | None]:
+def plan_in_process(config: Any) -> tuple[Any, str | None]:
     """The config an in-process engine runs (every worker in this process) and where its budget came from."""
     if not sized_by_memory(config):
         return config, None
-    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len, config.model.trust_remote_code)
+    model = ModelMemory.of(config.facts, config.model.dtype)
     plan = plan_cpu_memory(config, model, node_memory_now(), config.cluster.num_workers, "in this process")
     return with_memory_plan(config, plan), plan.note
-
-
-def plan_on_ray(config: Any, model_path: str) -> tuple[Any, str | None]:
-    """The config the engines of ``config`` run on the Ray cluster joined, and where their budget came from.
-
-    Every node that can host a worker is planned for as if it received as many of the engines'
-    workers as its free CPUs (and GPUs) allow; each worker gets the smallest of those budgets, so
-    it fits wherever Ray places it. Memory is what Ray has free for actors on the node now, so
-    engines already running there (another job's, or a group's others) are accounted for."""
-    if not sized_by_memory(config):
-        return config, None
-    from ray._private.state import available_resources_per_node
-
-    cluster = config.cluster
-    size = config.model.tensor_parallel_size
-    total = cluster.num_engines * cluster.num_workers * size  # processes: one per rank
-    model = ModelMemory.of(model_path, config.model.dtype, config.model.max_model_len,
-                           config.model.trust_remote_code).per_rank(size)
-    best: MemoryPlan | None = None
-    refused: MemoryPlanError | None = None
-    for resources in available_resources_per_node().values():
-        fits = int(resources.get("CPU", 0.0) // cluster.cpus_per_worker)
-        if fits < 1:
-            continue
-        try:
-            plan = plan_cpu_memory(config, model, int(resources.get("memory", 0.0)), min(total, fits),
-                                   "to Ray actors on the node")
-        except MemoryPlanError as exc:
-            refused = refused or exc
-            continue
-        if best is None or plan.kv_cache_memory < best.kv_cache_memory:
-            best = plan
-    if best is None:
-        if refused is not None:
-            raise refused
-        return config, None  # no node has a free CPU: check_cluster_resources says so in one line
-    return with_memory_plan(config, best), best.note
 
 
 def plan_cpu_memory(config: Any, model: ModelMemory, node_memory: int, workers_on_node: int,
@@ -262,14 +215,14 @@ def check_weights_fit_device(model: ModelMemory, size: int, device_bytes: int, u
         f"model.tensor_parallel_size to at least {needed} (a size that divides the model's attention heads)")
 
 
-def check_device_memory(config: Any, model_path: str, device: Any) -> None:
+def check_device_memory(config: Any, device: Any) -> None:
     """``check_weights_fit_device`` on this actor's GPU (nothing to check on CPU: the plan did)."""
     if getattr(device, "type", "cpu") != "cuda" or config.model.simulate is not None:
         return
     import torch
 
     dtype = "bfloat16" if config.model.dtype == "auto" else config.model.dtype  # auto is bfloat16 on CUDA
-    model = ModelMemory.of(model_path, dtype, config.model.max_model_len, config.model.trust_remote_code)
+    model = ModelMemory.of(config.facts, dtype)
     _, total = torch.cuda.mem_get_info(device)
     check_weights_fit_device(model, config.model.tensor_parallel_size, total, config.cache.gpu_memory_utilization)
 

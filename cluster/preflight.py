@@ -1,25 +1,30 @@
-"""Checks on the driver before Ray or any worker starts: a bad job fails in seconds with one line."""
+"""Checks on the driver before Ray or any worker starts: a bad job fails in seconds with one line.
+
+``preflight`` also resolves the run's configuration (``cluster.config.resolve``), so a model that cannot
+be converted or read, or a max_model_len past its limit, is one of those lines."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from cluster.config import ProcessorItem, RaysampleConfig
+from cluster.config import ProcessorItem, RaysampleConfig, resolve
 
 
 class PreflightError(ValueError):
     """The job cannot run; the message is one line naming the cause."""
 
 
-def preflight(config: RaysampleConfig, local: bool) -> None:
+def preflight(config: RaysampleConfig, local: bool) -> RaysampleConfig:
+    """The run's configuration, resolved once here (``config.facts``), once every check passed."""
     _check_processors(config)
-    _check_model(config)
-    _check_model_len(config)
+    _check_model_source(config)
     _check_gpus(config, local)
     if local and config.cluster.num_engines > 1:
         raise PreflightError(local_engines_message(config))
-    check_tensor_parallel(config, local)
+    resolved = _resolved(config)
+    check_tensor_parallel(resolved, local)
+    return resolved
 
 
 def check_tensor_parallel(config: RaysampleConfig, local: bool) -> None:
@@ -32,16 +37,10 @@ def check_tensor_parallel(config: RaysampleConfig, local: bool) -> None:
         raise PreflightError(f"model.tensor_parallel_size={size} needs Ray (one process per rank): the in-process "
                              "engine (--local, LocalEngine, LLM(local=True)) holds whole models; drop --local")
     if config.model.simulate is not None:
-        return  # ranks that sleep their share of the modelled step (workers.simulated_runner)
-    from transformers import AutoConfig
+        return  # ranks that sleep their share of the modelled step (workers.doubles.simulated_runner)
+    from workers.model.tensor_parallel import check_divisible, valid_sizes
 
-    from workers.tensor_parallel import check_divisible, valid_sizes
-
-    try:
-        model_config = AutoConfig.from_pretrained(config.model.resolve_path(),
-                                                  trust_remote_code=config.model.trust_remote_code)
-    except Exception:
-        return  # not readable here: each rank checks again before loading
+    model_config = resolve(config).facts.hf_config
     if not getattr(model_config, "base_model_tp_plan", None):
         arch = (getattr(model_config, "architectures", None) or [model_config.model_type])[0]
         raise PreflightError(f"model.tensor_parallel_size={size}: transformers has no tensor-parallel plan for {arch} "
@@ -59,8 +58,8 @@ def local_engines_message(config: RaysampleConfig) -> str:
 
 
 def _check_processors(config: RaysampleConfig) -> None:
+    from processors.builtins.request_level import import_target
     from processors.loading import load_custom_processors
-    from processors.request_level import import_target
 
     try:
         load_custom_processors(config.custom_processors(), config.processors_from_entry_points)
@@ -88,51 +87,40 @@ def _shipping_hint(exc: Exception) -> str:
             "--runtime-env-json '{\"py_modules\": [\"/path/to/my_package\"]}' or '{\"pip\": [\"my-package\"]}'")
 
 
-def _check_model(config: RaysampleConfig) -> None:
-    from workers.model_source import ModelSourceError
-
-    try:
-        gguf = config.model.gguf()
-        if gguf is not None:  # converted here, once, before any worker starts
-            config.model.resolve_path()
-            return
-    except (ModelSourceError, ValueError) as exc:
-        raise PreflightError(f"model: {exc}") from None
+def _check_model_source(config: RaysampleConfig) -> None:
+    """A model path that is plainly a file, not a folder or a hub id, is refused before anything is read."""
     path = config.model.path
-    if path is None or Path(path).is_dir():
+    if path is None or config.model.gguf() is not None or Path(path).is_dir():
         return
     if path.startswith((".", "/", "~")) or Path(path).suffix:
         raise PreflightError(f"model.path {path!r} is not a directory")
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(path, "config.json"), str):
-        return  # a hub id already in the local cache
-    try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
-    except Exception as exc:
-        raise PreflightError(f"model.path {path!r} is neither a local directory nor a reachable hub id "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-def _check_model_len(config: RaysampleConfig) -> None:
-    """A max_model_len past the model's own limit is refused here, not lowered in silence."""
-    if config.model.max_model_len is None:
-        return
-    from transformers import AutoConfig
-
-    from workers.model_support import resolved_max_model_len
+def _resolved(config: RaysampleConfig) -> RaysampleConfig:
+    """``resolve``, its failures as one line: a GGUF that cannot be converted, a config that cannot be
+    read (a hub id not reachable), a max_model_len past the model's limit (vLLM refuses it too)."""
+    from workers.model.model_source import ModelSourceError
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model.resolve_path(),
-                                                  trust_remote_code=config.model.trust_remote_code)
-    except Exception:
-        return  # not readable here: the engine's own check names it
-    try:
-        resolved_max_model_len(model_config, config.model.max_model_len)
+        return resolve(config)
+    except ModelSourceError as exc:
+        raise PreflightError(f"model: {exc}") from None
     except ValueError as exc:
-        raise PreflightError(str(exc)) from None
+        if str(exc).startswith("model.max_model_len="):
+            raise PreflightError(str(exc)) from None
+        if config.model.gguf() is not None:
+            raise PreflightError(f"model: {exc}") from None
+        raise PreflightError(_unreadable(config, exc)) from None
+    except Exception as exc:
+        raise PreflightError(_unreadable(config, exc)) from None
+
+
+def _unreadable(config: RaysampleConfig, exc: Exception) -> str:
+    path = config.model.path
+    cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if path is None or Path(path).expanduser().is_dir() or config.model.gguf() is not None:
+        return f"model: cannot be read ({cause})"
+    return f"model.path {path!r} is neither a local directory nor a reachable hub id ({cause})"
 
 
 def _check_gpus(config: RaysampleConfig, local: bool) -> None:

@@ -5,13 +5,13 @@ It never touches logits. A step, read in order:
 - ``next_plan``: retire finished rows, let the scheduler pick each row's tokens and
   blocks (token budget, chunked prefill, prefix-cache hits, preemption), build the
   BatchUpdate (with swaps that keep each worker's shard contiguous), emit a ``StepPlan``;
-- the executor runs it on the workers (``cluster.engine_step``);
+- the executor runs it on the workers (``cluster.engine.engine_step``);
 - ``accept_step``: the sampled tokens are accepted and checked against the finish rule
-  (``coordinator.acceptance``, ``coordinator.finish_rule``);
-- ``take_outputs``: outputs are built (``coordinator.outputs``), off the critical path.
+  (``coordinator.output.acceptance``, ``coordinator.output.finish_rule``);
+- ``take_outputs``: outputs are built (``coordinator.output.outputs``), off the critical path.
 
-Around it: admission (``coordinator.admission``) and failures (the methods under
-"failures", with ``coordinator.quarantine``). A request with ``n > 1`` is ``n``
+Around it: admission (``coordinator.intake.admission``) and failures (the methods under
+"failures", with ``coordinator.intake.quarantine``). A request with ``n > 1`` is ``n``
 sibling rows whose outputs come back together as one ``RequestOutput``.
 """
 
@@ -24,22 +24,22 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.acceptance import Acceptance
-from coordinator.admission import Admission
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
-from coordinator.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from coordinator.draft_policy import CRITICAL_SHARE, DraftPolicy
+from coordinator.intake.admission import Admission
+from coordinator.intake.quarantine import Quarantine
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.metrics import EngineMetrics
-from coordinator.ngram_batch import BatchNgramDrafter
-from coordinator.ngram_drafter import NgramDrafter
-from coordinator.outputs import OutputBuilder
-from coordinator.persistent_batch import BatchEntry, PersistentBatch
-from coordinator.plan_arrays import drafts_by_row, runs_by_row
-from coordinator.quarantine import Quarantine
+from coordinator.output.acceptance import Acceptance
+from coordinator.output.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from coordinator.output.outputs import OutputBuilder
+from coordinator.output.stop_bytes import StopScanner
 from coordinator.request import FinishReason, Request, RequestGroup, RequestOutput, RequestStatus
-from coordinator.scheduler import Scheduler, StepSchedule, group_by_owner
-from coordinator.stop_bytes import StopScanner
+from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch
+from coordinator.schedule.plan_arrays import drafts_by_row, runs_by_row
+from coordinator.schedule.scheduler import Scheduler, StepSchedule, group_by_owner
+from coordinator.spec.draft_policy import CRITICAL_SHARE, DraftPolicy
+from coordinator.spec.ngram_batch import BatchNgramDrafter
+from coordinator.spec.ngram_drafter import NgramDrafter
 from processors import SamplingParams
 from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
 

@@ -7,9 +7,12 @@ instead of in a long constructor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from processors import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.model.model_facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -22,25 +25,17 @@ class ModelInfo:
     generation_config: dict[str, Any]
 
     @classmethod
-    def load(cls, model_path: str, max_model_len: int | None, tokenizer: Any, trust_remote_code: bool = False) -> ModelInfo:
-        from transformers import AutoConfig, GenerationConfig
-
-        from workers.model_support import resolved_max_model_len
-
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        try:
-            generation = GenerationConfig.from_pretrained(model_path).to_dict()
-        except OSError:
-            generation = {}
+    def of(cls, facts: ModelFacts, tokenizer: Any) -> ModelInfo:
+        """From the facts the run read once (``workers.model.model_facts``) and the loaded tokenizer."""
         eos = tokenizer.eos_token_id
         if eos is None:
-            gen_eos = generation.get("eos_token_id")
+            gen_eos = facts.generation_eos
             eos = gen_eos[0] if isinstance(gen_eos, list) and gen_eos else gen_eos
         return cls(
-            vocab_size=config.vocab_size,
-            max_model_len=resolved_max_model_len(config, max_model_len),
+            vocab_size=facts.vocab_size,
+            max_model_len=facts.max_model_len,
             eos_token_id=eos,
-            generation_config={"eos_token_id": generation.get("eos_token_id")},
+            generation_config={"eos_token_id": facts.generation_eos},
         )
 
 

@@ -6,25 +6,25 @@ from typing import Any
 
 from coordinator.coordinator import Coordinator
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
-from coordinator.draft_policy import DraftPolicy
-from coordinator.ngram_drafter import NgramDrafter
+from coordinator.spec.draft_policy import DraftPolicy
+from coordinator.spec.ngram_drafter import NgramDrafter
 from processors import SamplingParams
 
 
-def coordinator_inputs(config: Any, model_path: str) -> tuple[Any, ModelInfo]:
-    """The tokenizer and the model's facts: what the coordinator loads, ready before the workers are."""
+def coordinator_inputs(config: Any) -> tuple[Any, ModelInfo]:
+    """The tokenizer and what the coordinator needs of the model, ready before the workers are."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.model.tokenizer or model_path, trust_remote_code=config.model.trust_remote_code
-    )
-    return tokenizer, ModelInfo.load(model_path, config.model.max_model_len, tokenizer, config.model.trust_remote_code)
+    facts = config.facts
+    tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer, trust_remote_code=facts.trust_remote_code)
+    return tokenizer, ModelInfo.of(facts, tokenizer)
 
 
-def coordinator_from_config(config: Any, model_path: str, num_blocks: int, block_size: int,
+def coordinator_from_config(config: Any, num_blocks: int, block_size: int,
                             inputs: tuple[Any, ModelInfo] | None = None) -> Coordinator:
-    """Build from a ``RaysampleConfig`` (cluster.config) and the KV blocks each worker holds: no weights."""
-    tokenizer, model = inputs if inputs is not None else coordinator_inputs(config, model_path)
+    """Build from a resolved ``RaysampleConfig`` (``cluster.config.resolve``) and the KV blocks each worker
+    holds: no weights."""
+    tokenizer, model = inputs if inputs is not None else coordinator_inputs(config)
     settings = CoordinatorConfig(
         max_num_seqs=config.scheduler.max_num_seqs,
         num_workers=config.cluster.num_workers,

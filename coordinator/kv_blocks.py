@@ -13,13 +13,12 @@ prefix caching across requests is off.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import sys
 from array import array
-import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
 
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array("I").itemsize == 4, "prefix keys hash token ids as 4-byte words"
@@ -56,7 +55,7 @@ class BlockPool:
 
     Free blocks with no cached content are handed out first, lowest id first: nothing is lost
     by reusing them, and a step's blocks then stay close together in the pool, which is what
-    decode attention reads in place (``workers.decode_layout``). Blocks holding a cached
+    decode attention reads in place (``workers.model.decode_layout``). Blocks holding a cached
     prefix are evicted after them, least recently used first.
     """
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from raysample import build_processor, load_config  # noqa: E402
 from cluster.job_paths import JobPathError, check_job_paths  # noqa: E402
-from cluster.ray_cluster import ensure_ray  # noqa: E402
+from cluster.ray.ray_cluster import ensure_ray  # noqa: E402
+from raysample import build_processor, load_config  # noqa: E402
 
 
 def main() -> int:

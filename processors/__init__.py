@@ -6,7 +6,7 @@ A processor written for vLLM runs here after changing only its imports:
 """
 
 from processors.adapter import AdapterLogitsProcessor, RequestLogitsProcessor
-from processors.builtin import (
+from processors.builtins.vllm_builtins import (
     BUILTIN_LOGITS_PROCESSORS,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
@@ -17,8 +17,8 @@ from processors.interface import (
     AddedRequest,
     BatchUpdate,
     LogitsProcessor,
-    MovedRequest,
     MoveDirectionality,
+    MovedRequest,
     RemovedRequest,
 )
 from processors.loading import (

@@ -23,7 +23,7 @@ from typing import Any, Union
 
 import torch
 
-from processors.builtin import BUILTIN_LOGITS_PROCESSORS
+from processors.builtins.vllm_builtins import BUILTIN_LOGITS_PROCESSORS
 from processors.interface import LogitsProcessor
 from processors.sampling_params import SamplingParams
 from processors.state import LogitsProcessors

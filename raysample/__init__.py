@@ -29,8 +29,8 @@ from processors import (
     process_dict_updates,
 )
 
-_FROM_CLUSTER = {"LLM": "cluster.llm", "AsyncLLM": "cluster.llm", "Engine": "cluster.client",
-                 "EngineError": "cluster.client", "load_config": "cluster.config", "build_processor": "cluster.data"}
+_FROM_CLUSTER = {"LLM": "cluster.entrypoints.llm", "AsyncLLM": "cluster.entrypoints.llm", "Engine": "cluster.entrypoints.client",
+                 "EngineError": "cluster.entrypoints.client", "load_config": "cluster.config", "build_processor": "cluster.entrypoints.data"}
 
 __all__ = [
     "AdapterLogitsProcessor", "AsyncLLM", "BatchUpdate", "BatchUpdateBuilder", "Engine", "EngineConfig", "EngineError",

@@ -138,7 +138,7 @@ class StepResult:
     # waiting is not in it), and the modelled compute slept by a simulated runner.
     cpu_s: float = 0.0
     simulated_s: float = 0.0
-    # The pipelined step (``workers.ahead``): rows whose logits the forward launched at the end of
+    # The pipelined step (``workers.step.ahead``): rows whose logits the forward launched at the end of
     # the last step computed, rows it computed that the plan did not keep, its modelled compute,
     # and the CPU seconds of applying this plan while it ran (off the step's critical path).
     ahead_rows: int = 0
@@ -172,7 +172,7 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class TensorRank:
-    """One rank's place in its worker's tensor-parallel group (``workers.tensor_parallel``)."""
+    """One rank's place in its worker's tensor-parallel group (``workers.model.tensor_parallel``)."""
 
     rank: int
     size: int

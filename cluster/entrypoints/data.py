@@ -1,0 +1,252 @@
+"""Ray Data datasets through raysample engines: ``build_processor(config)(dataset)``.
+
+    from cluster.entrypoints.data import build_processor
+    processor = build_processor("configs/default.yaml")
+    processor(ray.data.read_parquet("in.parquet")).write_parquet("out/")
+
+Input rows carry one of ``prompt``, ``messages`` or ``prompt_token_ids``, and optionally
+``sampling_params`` (vLLM's fields), ``extra_args`` (or ``vllm_xargs``) and ``id``. Output
+rows are the input rows plus ``generated_text``, ``generated_token_ids``, ``finish_reason``,
+``num_generated_tokens``, ``num_input_tokens`` and ``error``. A row that cannot run gets its
+reason in ``error`` and the dataset goes on; the rules are the JSONL job's, with one more that
+Arrow imposes: a null field is an unset one (Arrow gives every row of a column every field).
+
+The engines are a Ray Data actor pool, one raysample engine per actor (``cluster.num_engines``
+actors): with one worker per engine the engine runs inside the actor, which holds that
+worker's CPUs or GPU; with more, the actor starts an engine on Ray with its own placement group.
+An actor that dies is restarted by Ray Data and its batch runs again: outputs are keyed by
+seed or id, so they come out the same. A row with an ``id`` samples as the JSONL job's line
+with that id would; rows without one draw fresh randomness unless seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.config import RaysampleConfig, resolve
+from cluster.entrypoints.engine_factory import build_engine
+from cluster.entrypoints.job_lines import BadLine, engine_request_id, id_key, parse_line
+
+Row = dict[str, Any]
+
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_generated_tokens",
+                  "num_input_tokens", "error")
+INPUT_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
+                "extra_args", "vllm_xargs")
+DEFAULT_BATCH_SIZE = 64
+
+
+def _unset_nulls(value: Any) -> Any:
+    """Arrow fills the fields a row lacks with nulls; here they are unset again."""
+    if isinstance(value, dict):
+        return {k: _unset_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_unset_nulls(v) for v in value]
+    return value
+
+
+def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]) -> tuple[str, Any, Any]:
+    """(engine request id, prompt, SamplingParams) of one row, by the JSONL job's rules; ``BadLine`` if it cannot run."""
+    try:
+        record = {k: _unset_nulls(row[k]) for k in INPUT_FIELDS if row.get(k) is not None}
+        rid = record.get("id")
+        record["id"] = rid if rid is not None else f"row-{uuid.uuid4().hex}"
+        text = json.dumps(record)
+    except RecursionError:  # parse_line refuses past 64 levels; this deep, even writing it out fails
+        raise BadLine("the row nests objects/arrays too deeply to be read") from None
+    _, prompt, params = parse_line(text, defaults, tokenizer)
+    if params.n != 1:
+        raise BadLine(f"n={params.n}: a dataset row holds one completion; give one row per sample (with distinct "
+                      "seeds or ids)")
+    if params.logprobs is not None:
+        raise BadLine("logprobs have no output column here; use the JSONL job for them")
+    return engine_request_id(id_key(rid)) if rid is not None else f"row:{uuid.uuid4().hex}", prompt, params
+
+
+def engine_in_actor(config: RaysampleConfig) -> bool:
+    """One worker of one rank: the engine runs inside the Ray Data actor. Else it places its own
+    workers (and their tensor-parallel ranks), and the actor only drives it."""
+    return config.cluster.num_workers == 1 and config.model.tensor_parallel_size == 1
+
+
+class EngineStage:
+    """The Ray Data UDF: one raysample engine per actor, a batch of rows in, the same rows plus outputs out."""
+
+    def __init__(self, config: dict[str, Any], preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None) -> None:
+        from cluster.quiet import quiet_libraries
+
+        quiet_libraries()
+        self.config = resolve(config)  # the driver resolved it: the facts travel with it
+        self.preprocess, self.postprocess = preprocess, postprocess
+        # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
+        local = engine_in_actor(self.config)
+        self.engine: Any = build_engine(self.config, local=local)
+        if local:
+            self._tokenizer = self.engine.tokenizer
+        else:
+            from cluster.entrypoints.chat import load_tokenizer
+
+            facts = self.config.facts
+            self._tokenizer = load_tokenizer(facts.tokenizer, facts.trust_remote_code)
+
+    def __call__(self, batch: Any) -> Any:
+        """``batch``: a pyarrow Table; the result keeps its columns and adds ``OUTPUT_COLUMNS``.
+
+        The row functions run here, not as Ray Data ``map``s: a row map infers each block's types
+        from its own rows, and blocks whose nested fields came out null in one and typed in another
+        cannot be joined into one batch."""
+        import pyarrow as pa
+
+        if self.preprocess is not None:
+            batch = typed_like(pa.Table.from_pylist([self.preprocess(row) for row in batch.to_pylist()]), batch.schema)
+        rows = batch.to_pylist()
+        outputs: list[Row] = [{} for _ in rows]
+        # Rows need not have distinct ids (a union of two sources, a file read twice) and batches are
+        # cut anywhere: a row whose id an earlier row of this batch has runs in a later round under
+        # that id, as it would in another batch, so no row's output depends on which rows share its batch.
+        rounds: list[list[tuple[int, str, Any, Any]]] = []
+        seen: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            try:
+                rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
+            except BadLine as exc:
+                outputs[i] = {"error": str(exc), "finish_reason": "error"}
+                continue
+            except Exception as exc:  # noqa: BLE001 - one odd row must not fail the dataset
+                outputs[i] = {"error": f"{type(exc).__name__}: {exc}", "finish_reason": "error"}
+                continue
+            k = seen[rid] = seen.get(rid, -1) + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append((i, rid, prompt, params))
+        for submitted in rounds:
+            ids = self.engine.submit_many([s[2] for s in submitted], [s[3] for s in submitted],
+                                          [s[1] for s in submitted], final_only=True)
+            final = self.engine.results(ids)
+            for (i, *_), rid in zip(submitted, ids):
+                out = final[rid]
+                completion = out.outputs[0]
+                outputs[i] = {
+                    "generated_text": None if out.error else completion.text,
+                    "generated_token_ids": None if out.error else list(completion.token_ids),
+                    "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                    "num_generated_tokens": len(completion.token_ids),
+                    "num_input_tokens": len(out.prompt_token_ids),
+                    "error": out.error,
+                }
+        result = with_output_columns(batch, outputs)
+        if self.postprocess is None:
+            return result
+        return typed_like(pa.Table.from_pylist([self.postprocess(row) for row in result.to_pylist()]), result.schema)
+
+    def __del__(self) -> None:
+        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - the actor is going away either way
+                pass
+
+
+def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
+    """The batch with the output columns (typed, so blocks of all-error rows still concatenate)."""
+    import pyarrow as pa
+
+    types = {"generated_text": pa.string(), "generated_token_ids": pa.list_(pa.int64()),
+             "finish_reason": pa.string(), "num_generated_tokens": pa.int64(), "num_input_tokens": pa.int64(),
+             "error": pa.string()}
+    for name in OUTPUT_COLUMNS:
+        if name in batch.column_names:
+            batch = batch.drop_columns([name])
+        batch = batch.append_column(pa.field(name, types[name]),
+                                    pa.array([o.get(name) for o in outputs], type=types[name]))
+    return batch
+
+
+def typed_like(table: Any, schema: Any) -> Any:
+    """Columns typed from this batch's rows alone get the type they had before: a column, or a field
+    nested in one, that is null in every row of a small batch comes out null-typed, and blocks (or
+    Parquet files) typed so do not join the others. Only such columns are cast; a column whose type
+    a row function changed keeps it."""
+    import pyarrow as pa
+
+    for i, field in enumerate(table.schema):
+        if field.name not in schema.names or not _has_null_type(field.type):
+            continue
+        typed = schema.field(field.name)
+        try:
+            table = table.set_column(i, typed, table.column(i).cast(typed.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            pass  # the row function changed the column's shape: keep what its rows say
+    return table
+
+
+def _has_null_type(kind: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_null(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(_has_null_type(kind.field(j).type) for j in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _has_null_type(kind.value_type)
+    return False
+
+
+class Processor:
+    """``processor(dataset)``: the dataset's rows through the engines, lazily, as a new ``Dataset``."""
+
+    def __init__(self, config: RaysampleConfig, preprocess: Callable[[Row], Row] | None,
+                 postprocess: Callable[[Row], Row] | None, batch_size: int) -> None:
+        self.config = config
+        self.preprocess, self.postprocess = preprocess, postprocess
+        self.batch_size = batch_size
+
+    def __call__(self, dataset: Any) -> Any:
+        import ray
+
+        from cluster.ray.ray_cluster import check_cluster_resources
+
+        config = self.config
+        in_actor = engine_in_actor(config)
+        if ray.is_initialized():
+            if in_actor:  # the actors hold the workers: their KV budgets are planned here, for all of them
+                from cluster.ray.memory_on_ray import plan_on_ray
+
+                config, _ = plan_on_ray(config)
+            check_cluster_resources(config)  # in seconds, not after Ray Data waits for resources forever
+        cluster = config.cluster
+        engines_config = config.model_copy(update={"cluster": cluster.model_copy(update={"num_engines": 1})})
+        from ray.data import ActorPoolStrategy
+
+        dataset = dataset.map_batches(
+            EngineStage,
+            fn_constructor_kwargs={"config": engines_config,
+                                   "preprocess": self.preprocess, "postprocess": self.postprocess},
+            batch_format="pyarrow",
+            batch_size=self.batch_size,
+            compute=ActorPoolStrategy(size=cluster.num_engines),
+            # One worker: the engine runs in the actor, which holds that worker's share. More: the
+            # engine places its own workers, and the actor only drives it.
+            num_cpus=cluster.cpus_per_worker if in_actor else 0,
+            num_gpus=cluster.gpus_per_worker if in_actor else 0,
+            memory=cluster.memory_per_worker if in_actor else None,
+        )
+        return dataset
+
+
+def build_processor(config: RaysampleConfig | dict[str, Any] | str | Path,
+                    preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None,
+                    batch_size: int = DEFAULT_BATCH_SIZE) -> Processor:
+    """A callable from a Ray Data ``Dataset`` to one with generations, on ``cluster.num_engines`` engines.
+
+    ``preprocess`` / ``postprocess``: row functions run before and after each row's generation
+    (inside the engine actors), as in Ray Data LLM's ``build_processor``.
+    """
+    return Processor(resolve(config), preprocess, postprocess, batch_size)  # once, on the driver

@@ -1,0 +1,303 @@
+"""Batch generation from JSON lines: ``raysample generate`` / ``python -m cluster.entrypoints.job generate``.
+
+    raysample generate --config configs/default.yaml --input prompts.jsonl --output results.jsonl
+    ray job submit --working-dir . -- python -m cluster.entrypoints.job generate --config ... --input ... --output ...
+
+Input lines: ``{"id": ..., "prompt": "..." | "prompt_token_ids": [...], "sampling_params": {...},
+"extra_args": {...}}`` (``vllm_xargs`` is accepted for ``extra_args``). The input is streamed, the
+engine kept full, each result written (and flushed) as it finishes. Rerunning with the same output
+skips ids already written. A bad line or bad parameters give an error record for that line only;
+the exit code is non-zero only when the job itself fails.
+
+Read in order: ``job_lines`` (input), ``job_formats`` (the two line formats), ``job_runner``
+(the loop), ``job_records`` (output), ``job_progress``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+# Only the standard library above: the rest (torch, Ray, pydantic) is imported in ``_run``, after the
+# signal handlers are in place and held while torch loads, so Ctrl-C or SIGTERM in those seconds is an
+# interrupt like any other: one line and the exit code, no traceback.
+
+logger = logging.getLogger("raysample.job")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raysample", description="Batch LLM generation on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for every line of a JSONL file")
+    gen.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    gen.add_argument("--input", required=True, type=Path, help="JSON lines with id, prompt, sampling_params")
+    gen.add_argument("--output", required=True, type=Path, help="JSON lines results; resumed if it exists")
+    gen.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of on Ray")
+    gen.add_argument("--max-in-flight", type=positive_int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
+    gen.add_argument("--show", type=int, default=0, help="print the first N results")
+    gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
+    gen.add_argument("--verbose", action="store_true", help="full tracebacks")
+    gen.add_argument("--job-name", default=None,
+                     help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
+    gen.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
+                     help="ranks per worker, as vLLM's flag (overrides model.tensor_parallel_size)")
+    batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
+    batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
+    batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
+    batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
+                         ("--max-in-flight", {"type": positive_int, "default": None}), ("--show", {"type": int, "default": 0}),
+                         ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"}),
+                         ("--job-name", {"default": None})):
+        batch.add_argument(flag, **kwargs)
+    batch.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None)
+    return parser
+
+
+def interrupted_message(output: Path, overwrite: bool = False) -> str:
+    hint = " without --overwrite" if overwrite else ""
+    return (f"\nraysample: interrupted; the results so far are in {output}. Re-running the same command{hint} "
+            "resumes where this run stopped.")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (a scheduler's stop, ``kill``): every result so far is kept."""
+
+
+_terminated = threading.Event()  # Ray's wait turns any exception a handler raises into KeyboardInterrupt
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    _terminated.set()
+    raise Terminated()
+
+
+def handle_sigterm() -> None:
+    """SIGTERM raises ``Terminated`` in the main thread (``cluster.ray.ray_cluster.ensure_ray`` keeps it
+    over Ray's own, which aborts with a native stack dump: exit 134)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then act as they would have.
+
+    For imports of native libraries: torch calls back into Python from C++ while it loads, and an
+    interrupt raised in such a callback cannot unwind through the C++ frames (``terminate called after
+    throwing an instance of 'pybind11::error_already_set'``, exit 134)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if arrived:
+        if arrived[0] == signal.SIGTERM:
+            _terminated.set()
+            raise Terminated()
+        raise KeyboardInterrupt()
+
+
+def interrupted(exc: KeyboardInterrupt, args: argparse.Namespace) -> int:
+    """One line with the resume hint; 143 for SIGTERM, 130 for Ctrl-C (128 + the signal, as shells report)."""
+    print(interrupted_message(args.output, getattr(args, "overwrite", False)), file=sys.stderr, flush=True)
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) or _terminated.is_set() else signal.SIGINT)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    handle_sigterm()
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt as exc:  # at any point: starting up included; every result so far is written
+        return interrupted(exc, args)
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        # SIGTERM while ray.init ran: Ray's handler (sys.exit(15)) held the signal for that moment
+        return interrupted(Terminated(), args)
+
+
+def cli() -> NoReturn:
+    """The ``raysample`` command (and ``python -m cluster.entrypoints.job``): ``main``, then out."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before the arguments were read
+        print("\nraysample: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave once the summary is written, whatever threads remain.
+
+    A step abandoned in a hung processor, or a compute thread inside a torch kernel when Ctrl-C
+    came, may never finish: the interpreter's exit would wait for it forever (the threads of a
+    ``ThreadPoolExecutor`` are joined) or stop it from under a native frame that cannot unwind
+    ("terminate called without an active exception", exit 134). So the exit handlers run (Ray's
+    shutdown among them), output is flushed, and the process ends without tearing down threads.
+    """
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
+    with signals_held():  # torch loads with these modules: an interrupt waits until it has
+        from cluster.config import ConfigError, load_config
+        from cluster.entrypoints import job_runner
+        from cluster.entrypoints.engine_factory import build_engine
+        from cluster.entrypoints.job_formats import GenerateFormat, OpenAIBatchFormat, pending_lines
+        from cluster.entrypoints.job_lines import input_lines
+        from cluster.entrypoints.job_progress import describe_start
+        from cluster.entrypoints.job_records import OutputLocked, lock_output, rejected_path, set_aside_torn
+        from cluster.job_paths import JobPathError, check_job_paths
+        from cluster.preflight import PreflightError, preflight
+        from cluster.quiet import quiet_libraries
+
+    try:
+        config = load_config(args.config)
+        if args.job_name:
+            config = config.model_copy(update={"cluster": config.cluster.model_copy(
+                update={"coordinator_name": args.job_name})})
+        if args.tensor_parallel_size is not None:
+            config = config.model_copy(update={"model": config.model.model_copy(
+                update={"tensor_parallel_size": args.tensor_parallel_size})})
+        check_job_paths(args.input, args.output, args.config)
+    except (ConfigError, JobPathError) as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    format_of = OpenAIBatchFormat if args.command == "run-batch" else GenerateFormat
+    line_format = format_of(config)  # ids only, until the configuration is resolved
+    if args.overwrite:
+        total = pending = sum(1 for _ in input_lines(args.input))
+    else:
+        total, pending = pending_lines(line_format, args.input, args.output)
+    if pending == 0:
+        print(f"[raysample] nothing to do: all {total} lines of {args.input} already have a record in {args.output} "
+              "(--overwrite starts afresh)", flush=True)
+        return 0
+    if args.verbose:
+        os.environ["RAYSAMPLE_VERBOSE"] = "1"  # a private instance's engine processes inherit it
+    else:
+        quiet_libraries()
+    try:
+        config = preflight(config, args.local)  # resolved once here; everything below reads config.facts
+    except PreflightError as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    line_format = format_of(config)
+    try:
+        lock = lock_output(args.output)  # held until this process exits
+    except OutputLocked as exc:
+        print(f"raysample: {exc}", file=sys.stderr)
+        return 2
+    if args.overwrite:
+        lock.truncate(0)
+    elif (torn := set_aside_torn(args.output)):
+        try:
+            lock.close()
+            lock = lock_output(args.output)  # the rewritten file is a new one
+        except OutputLocked as exc:
+            print(f"raysample: {exc}", file=sys.stderr)
+            return 2
+        print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
+              f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
+    resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
+    print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
+    line_format.prefetch_tokenizer()
+    ray_up = time.monotonic()
+    try:
+        if not args.local:
+            from cluster.ray.ray_cluster import ensure_ray
+
+            ensure_ray(config)  # first, so that the time to the first result counts from here
+            ray_up = time.monotonic()
+        backend = build_engine(config, local=args.local)
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+              " (--verbose shows the traceback)", file=sys.stderr)
+        return 1
+    try:
+        name = getattr(backend, "name", None)
+        print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
+        counters = job_runner.run_job(config, backend, args.input, args.output,
+                           args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
+                           line_format)
+        stats = backend.stats()
+    except KeyboardInterrupt as exc:
+        # Every result so far was written and flushed as it finished; nothing is torn.
+        return interrupted(exc, args)
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"raysample: the job failed: {type(exc).__name__}: {first}" + ("" if args.verbose else
+              " (--verbose shows the traceback)") + f"; the results so far are in {args.output}, and re-running the "
+              "same command resumes", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shut_down(backend, args.verbose)
+    elapsed = time.monotonic() - counters.started
+    acceptance = stats.get("spec_acceptance")
+    where = "the engine started (--local)" if args.local else "Ray was up"
+    first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
+    print(
+        f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
+        f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
+        f"= {counters.rate():.0f} tokens/s; spec acceptance "
+        + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
+        flush=True,
+    )
+    if counters.retryable:  # the engine failed them, not the requests: the caller should resume
+        print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
+              f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def shut_down(backend: Any, verbose: bool) -> None:
+    """Stop the engine; a failure here (the engine already gone, a second Ctrl-C) was reported or
+    does not matter once the job has ended, so it prints nothing more."""
+    try:
+        backend.shutdown()
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001
+        if verbose:
+            print(f"raysample: stopping the engine: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    cli()

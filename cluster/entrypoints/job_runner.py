@@ -1,0 +1,137 @@
+"""Running a job: stream the input into the engine, keep it full, write each result as it finishes."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config import RaysampleConfig
+from cluster.engine.engine_api import RequestAPI
+from cluster.entrypoints.job_formats import GenerateFormat, digest_of, peek_key
+from cluster.entrypoints.job_lines import BadLine, OversizedLine, decode_line, engine_request_id, id_key, input_lines
+from cluster.entrypoints.job_progress import JobCounters, Progress
+from cluster.entrypoints.job_records import open_for_append
+from cluster.entrypoints.openai_batch import PromptParts
+from coordinator.request import RequestOutput
+from processors import SamplingParams
+
+
+def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, output_path: Path,
+            max_in_flight: int, show: int = 0, log_every_s: float = 10.0,
+            line_format: GenerateFormat | None = None) -> JobCounters:
+    fmt = line_format or GenerateFormat(config)
+    written = fmt.written(output_path)
+    max_bytes = fmt.limits().max_line_bytes
+    counters = JobCounters(total_lines=sum(1 for _ in input_lines(input_path, max_bytes)))
+    progress = Progress(counters, log_every_s)
+    seen: set[str] = set()
+    in_flight: dict[str, tuple[InFlight, int]] = {}  # engine request id -> its line, and which of its prompts
+    shown = 0
+    with open_for_append(output_path) as sink:
+
+        def write(record: dict[str, Any], digest: str) -> None:
+            if record.get("error") is not None:
+                record["input_sha"] = digest  # ties the error to this exact line (see Written)
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+
+        def reject(rid: Any, line_no: int, digest: str, message: str) -> None:
+            write(fmt.error(rid, line_no, message), digest)
+            counters.errors += 1
+            progress.advance()
+
+        lines = input_lines(input_path, max_bytes)
+        exhausted = False
+        while not exhausted or in_flight:
+            batch: list[tuple[Any, Any, Any, SamplingParams, str]] = []
+            while not exhausted and len(in_flight) + len(batch) < max_in_flight:
+                item = next(lines, None)
+                if item is None:
+                    exhausted = True
+                    break
+                line_no, raw = item
+                digest, key = digest_of(raw), peek_key(fmt, raw)
+                # One rule for ids: the first line with an id takes it, whatever becomes of that line
+                # (result or error, in this run or an earlier one); a later line with it is a duplicate.
+                if written.done(digest, None) or (key is not None and key in written.ids and key not in seen):
+                    counters.skipped += 1  # a final record exists (resume)
+                    if key is not None:
+                        seen.add(key)
+                    continue
+                if isinstance(raw, OversizedLine):
+                    reject(None, line_no, digest, f"line is {raw.size} bytes: more than any request that fits "
+                                                  f"max_model_len={fmt.limits().max_model_len} tokens can need "
+                                                  f"({max_bytes} bytes); it was not read")
+                    continue
+                shown_id = fmt.peek(raw.decode("utf-8", "replace"))
+                if key is not None and key in seen:
+                    reject(shown_id, line_no, digest, f"duplicate id {shown_id!r}: an earlier line has it")
+                    continue
+                if key is not None:
+                    seen.add(key)
+                try:
+                    rid, context, prompt, params = fmt.parse(decode_line(raw))
+                except BadLine as exc:
+                    reject(shown_id, line_no, digest, str(exc))
+                    continue
+                batch.append((rid, context, prompt, params, digest))
+            if batch:
+                requests = [(part_id, part, params, (line, i)) for rid, context, prompt, params, digest in batch
+                            for line in [InFlight(rid, context, digest, [None] * len(parts_of(prompt)))]
+                            for i, (part_id, part) in enumerate(zip(part_ids(rid, prompt), parts_of(prompt)))]
+                ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
+                                          [r[0] for r in requests], final_only=True)
+                in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
+            if in_flight:
+                for out in backend.poll(list(in_flight), 1.0, True):
+                    if counters.first_result is None:
+                        counters.first_result = time.monotonic()
+                    line, index = in_flight.pop(out.request_id)
+                    line.outs[index] = out
+                    if None in line.outs:
+                        continue  # a line of several prompts is written when all are done
+                    rid, outs = line.rid, line.outs
+                    record = fmt.result(line.context, outs if len(outs) > 1 else outs[0])
+                    failed = next((o for o in outs if o.error is not None), None)
+                    if failed is not None and failed.retryable:
+                        record["retryable"] = True  # an engine failure: a resumed run retries it
+                        counters.retryable += 1
+                    write(record, line.digest)
+                    counters.tokens += sum(len(o.token_ids) for o in outs)
+                    out = failed or outs[0]
+                    if out.error:
+                        counters.errors += 1
+                    else:
+                        counters.done += 1
+                    if shown < show:
+                        shown += 1
+                        shown_text = f"error: {out.error}" if out.error else repr(out.text)
+                        print(f"[raysample] {rid!r} ({out.finish_reason.value}): {shown_text}", flush=True)
+                    progress.advance()
+    progress.close()
+    return counters
+
+
+@dataclass
+class InFlight:
+    """A line whose request(s) the engine runs: several for a run-batch line with a list of prompts."""
+
+    rid: Any
+    context: Any
+    digest: str
+    outs: list[RequestOutput | None]
+
+
+def parts_of(prompt: Any) -> list[Any]:
+    return list(prompt) if isinstance(prompt, PromptParts) else [prompt]
+
+
+def part_ids(rid: Any, prompt: Any) -> list[str]:
+    """Engine ids: the line's, and for several prompts ``<id>%p<i>`` (an escaped id has no bare ``%p``)."""
+    base = engine_request_id(id_key(rid))
+    if not isinstance(prompt, PromptParts):
+        return [base]
+    return [f"{base}%p{i}" for i in range(len(prompt))]

@@ -1,0 +1,1 @@
+"""Ray's side: the coordinator and worker actors, the engine handle and its data-parallel group, the compiled-graph executor, placement, metrics. Thin wrappers over cluster.engine, coordinator and workers."""

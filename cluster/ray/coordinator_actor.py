@@ -1,0 +1,50 @@
+"""The coordinator actor: hosts the ``cluster.ray.engine_core.EngineCore`` and forwards to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+
+@ray.remote(max_concurrency=64)
+class CoordinatorActor:
+    """Hosts the ``cluster.ray.engine_core.EngineCore`` step loop; many callers at once."""
+
+    def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
+                 kv_note: str | None = None) -> None:
+        from cluster.quiet import quiet_libraries
+        from cluster.ray.engine_core import EngineCore
+
+        quiet_libraries()
+        self.core = EngineCore(config, placement, workers, kv_note)
+
+    def ready(self) -> bool:
+        return self.core.ready()
+
+    def add_requests(self, items: list[tuple[Any, Any, str | None]], final_only: bool = False) -> list[str]:
+        return self.core.add_requests(items, final_only)
+
+    def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    def poll(self, request_ids: list[str], timeout_s: float, finished_only: bool = False) -> list[Any]:
+        return self.core.poll(request_ids, timeout_s, finished_only)
+
+    def stream(self, request_id: str, wait_s: float = 30.0) -> Iterator[Any]:
+        """A Ray streaming generator: each output as soon as the step loop publishes it."""
+        while True:
+            for out in self.core.poll([request_id], wait_s):
+                yield out
+                if out.finished:
+                    return
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def worker_handles(self) -> list[Any]:
+        return self.core.worker_handles()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

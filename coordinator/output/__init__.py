@@ -1,0 +1,1 @@
+"""A step's tokens back to requests: acceptance, stop strings on bytes, finish rules, detokenizing and outputs."""

@@ -1,0 +1,236 @@
+"""`ray job submit` as a user runs it, on a head started the way Ray 2.60 starts one.
+
+`ray start --head` turns token authentication on when a token exists (``~/.ray/auth_token``, or
+``RAY_AUTH_TOKEN_PATH``); the job client then needs ``RAY_AUTH_MODE=token``, as docs/guide.md says.
+One head serves every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import tiny_job_config
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = Path(sys.executable).parent
+RAY = str(BIN / "ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A token-auth head; yields (dashboard address, the environment of a user who followed docs/guide.md)."""
+    home = tmp_path_factory.mktemp("ray_home")
+    token = home / ".ray" / "auth_token"
+    # As a user's shell: the venv activated, RAY_AUTH_MODE unset, a token from an earlier ray.init().
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    base["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    generate = subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=60,
+                              env=base | {"HOME": str(home)})
+    assert generate.returncode == 0 and token.read_text().strip(), generate.stderr
+    base["RAY_AUTH_TOKEN_PATH"] = str(token)  # this test's own token, wherever HOME is
+    port, dashboard = free_port(), free_port()
+    start = subprocess.run(
+        [RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=4",
+         "--include-dashboard=true", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=180, env=base,
+    )
+    assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
+    assert "Token authentication is enabled" in start.stdout + start.stderr
+    try:
+        yield f"http://127.0.0.1:{dashboard}", base
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=base)
+
+
+def submit(address: str, env: dict[str, str], entrypoint: list[str], *extra: str) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir . -- <entrypoint>` from the repository root, as docs/guide.md shows it."""
+    return subprocess.run(
+        [RAY, "job", "submit", f"--address={address}", "--working-dir", ".", *extra, "--", *entrypoint],
+        capture_output=True, text=True, timeout=900, env=env | {"RAY_AUTH_MODE": "token"}, cwd=ROOT,
+    )
+
+
+def test_token_auth_is_on_and_the_client_needs_the_variable(ray_head):
+    address, env = ray_head
+    listing = subprocess.run([RAY, "job", "list", f"--address={address}"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert listing.returncode != 0 and "Authentication" in listing.stdout + listing.stderr
+    listing = subprocess.run([RAY, "job", "list", f"--address={address}"], capture_output=True, text=True,
+                             timeout=120, env=env | {"RAY_AUTH_MODE": "token"})
+    assert listing.returncode == 0, listing.stderr[-2000:]
+
+
+def test_ray_job_submit_as_the_guide_shows_it(ray_head, tmp_path):
+    address, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"id": i, "prompt": f"job request {i}",
+                    "sampling_params": {"seed": i, "max_tokens": 6, "ignore_eos": True}}) + "\n"
+        for i in range(6)
+    ) + json.dumps({"id": "target", "prompt": "x", "extra_args": {"target_token": 9},
+                    "sampling_params": {"max_tokens": 3}}) + "\n")
+    output = tmp_path / "results.jsonl"
+    run = submit(address, env, ["python", "-m", "cluster.entrypoints.job", "generate", "--config", "configs/default.yaml",
+                                "--input", str(prompts), "--output", str(output)])
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, log
+    assert "succeeded" in log.lower()
+    full = run.stdout + run.stderr
+    assert "Loading weights" not in full and "Tearing down compiled DAG" not in full  # quiet worker logs
+    assert "[raysample] starting smollm2-135m-instruct on 2 worker(s)" in full and "the Ray job's cluster" in full
+    records = {str(r["id"]): r for r in map(json.loads, output.read_text().splitlines())}
+    assert set(records) == {*map(str, range(6)), "target"}
+    assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
+    assert records["target"]["token_ids"] == [9, 9, 9]
+
+
+USER_PROCESSOR = '''
+import torch
+from processors import LogitsProcessor
+
+
+class OnlyToken(LogitsProcessor):
+    """Every row keeps one token: a package that lives outside the repository."""
+
+    def __init__(self, vllm_config, device, is_pin_memory, token_id=0):
+        self.token_id = token_id
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        kept = logits[:, self.token_id].clone()
+        logits[:] = float("-inf")
+        logits[:, self.token_id] = kept
+        return logits
+'''
+
+
+def test_a_processor_package_outside_the_repo_ships_with_py_modules(ray_head, tmp_path):
+    address, env = ray_head
+    package = tmp_path / "elsewhere" / "acme_processors"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(USER_PROCESSOR))
+    config = tmp_path / "acme.yaml"
+    config.write_text(textwrap.dedent("""
+        model: {tiny: default, dtype: float32, max_model_len: 128}
+        cluster: {address: local, num_workers: 1}
+        cache: {kv_cache_memory: 4MiB}
+        processors:
+          - class: acme_processors:OnlyToken
+            kwargs: {token_id: 11}
+    """))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}", "sampling_params": {"max_tokens": 4}}) + "\n"
+                               for i in range(3)))
+    entry = ["python", "-m", "cluster.entrypoints.job", "generate", "--config", str(config), "--input", str(prompts)]
+
+    # Not shipped: the driver says so in one line, before any worker starts.
+    missing = submit(address, env, entry + ["--output", str(tmp_path / "unshipped.jsonl")])
+    assert missing.returncode != 0
+    assert "acme_processors" in missing.stdout and "py_modules" in missing.stdout
+    assert "Traceback" not in missing.stdout
+
+    output = tmp_path / "results.jsonl"
+    shipped = submit(address, env, entry + ["--output", str(output)],
+                     "--runtime-env-json", json.dumps({"py_modules": [str(package)]}))
+    assert shipped.returncode == 0, shipped.stdout[-4000:] + shipped.stderr[-4000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == 3 and all(r["token_ids"] == [11] * 4 for r in records)
+
+
+def test_a_relative_output_under_a_job_is_refused_with_what_to_pass(ray_head):
+    address, env = ray_head
+    run = submit(address, env, ["python", "-m", "cluster.entrypoints.job", "generate", "--config", "configs/default.yaml",
+                                "--input", "examples/prompts.jsonl", "--output", "results/lost.jsonl"])
+    assert run.returncode != 0
+    assert "--output results/lost.jsonl is relative" in run.stdout and "absolute path" in run.stdout
+    assert not (ROOT / "results" / "lost.jsonl").exists()
+
+
+def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_head, tmp_path):
+    """`ray start --head` is running on this host: `address: local` must not join it."""
+    _, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": "private",
+                                   "sampling_params": {"seed": 1, "max_tokens": 4, "ignore_eos": True}}) + "\n")
+    output = tmp_path / "out.jsonl"
+    config = tmp_path / "tiny.yaml"  # the model does not matter here: the fast tiny one
+    config.write_text(yaml.safe_dump(tiny_job_config()))
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.entrypoints.job", "generate", "--config", str(config), "--input", str(prompts),
+         "--output", str(output)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "a private Ray instance" in run.stdout
+    assert len(json.loads(output.read_text())["token_ids"]) == 4
+
+
+def test_the_ray_data_example_runs_as_the_guide_shows_it(ray_head, tmp_path):
+    """Parquet in, Parquet out, on the default model's 2 workers inside one Ray Data engine actor."""
+    import pyarrow.parquet as pq
+
+    address, env = ray_head
+    output = tmp_path / "parquet"
+    run = submit(address, env, ["python", "examples/ray_data_parquet.py", "--input", "examples/prompts.parquet",
+                                "--output", str(output)])
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and "succeeded" in log.lower(), log
+    assert "[raysample] 7 rows written to" in run.stdout and ", 0 with an error" in run.stdout
+    rows = {r["id"]: r for r in pq.read_table(output).to_pylist()}
+    assert set(rows) == {"capital", "haiku", "plain", "json", "choice", "stop", "banana"}
+    assert "Paris" in rows["capital"]["generated_text"]
+    assert rows["banana"]["generated_text"] == " banana" * 6
+    assert set(json.loads(rows["json"]["generated_text"])) == {"name", "age"}
+    assert rows["choice"]["generated_text"] in ("yes", "no")
+    assert rows["stop"]["finish_reason"] == "stop" and ", 5" not in rows["stop"]["generated_text"]
+
+
+def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head, tmp_path):
+    """configs/tensor-parallel.yaml: the real model in one group of 3 ranks (gloo), on the head's 4 CPUs;
+    its greedy records on 8 chat prompts equal the in-process engine's on one rank (tokens exact; the
+    job writes no logprobs here, tests/workers/model/test_tensor_parallel.py holds those to 1e-4 on the tiny model)."""
+    from cluster.config import load_config
+    from cluster.entrypoints.llm import LLM
+    from processors import SamplingParams
+
+    address, env = ray_head
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Is water wet? Answer in one word.",
+                 "List three primary colors.", "What is 12 times 12?", "Name a famous painter.",
+                 "Translate 'good morning' to French.", "Give me a synonym for happy."]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}],
+                                           "sampling_params": {"max_tokens": 24}}) + "\n"
+                               for i, q in enumerate(questions)))
+    output = tmp_path / "tp.jsonl"
+    run = submit(address, env, ["python", "-m", "cluster.entrypoints.job", "generate", "--config", "configs/tensor-parallel.yaml",
+                                "--input", str(prompts), "--output", str(output)])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    records = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    config = load_config(ROOT / "configs" / "tensor-parallel.yaml")
+    config = config.model_copy(update={"model": config.model.model_copy(update={"tensor_parallel_size": 1})})
+    one_rank = LLM(config=config, local=True)
+    wanted = one_rank.chat([[{"role": "user", "content": q}] for q in questions],
+                           SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    for i, (question, want) in enumerate(zip(questions, wanted)):
+        assert records[i]["error"] is None and records[i]["token_ids"] == want.outputs[0].token_ids, question
+    assert "Paris" in records[0]["text"]
+    assert "on 1 worker(s) x 3 tensor-parallel ranks of 1 CPU each" in run.stdout

@@ -1,0 +1,370 @@
+"""Continuous-batching forward passes over a Hugging Face causal LM with a paged KV cache.
+
+One forward per step for all of a worker's rows: every new token of the step
+(decode tokens, prefill chunks, draft tokens) is packed into one sequence
+``[1, N]`` with its own position and its cache slot, given by the row's block
+table (decided by the coordinator). Projections and MLPs see only real
+tokens; attention (``workers.model.paged_attention``) reads each row's blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.cpu import host_memory, native_attention
+from workers.cpu.cpu_fusion import fuse_cpu_layers
+from workers.cpu.cpu_linear import prepack_available
+from workers.model.attention_probe import verify_once
+from workers.model.decode_layout import block_major_layout
+from workers.model.merged_layers import merge_layers
+from workers.model.model_support import check_model_config, kv_geometry, resolved_max_model_len
+from workers.model.paged_attention import (
+    ATTENTION_NAME,
+    SHORT_QUERY_LIMIT,
+    AttentionGroup,
+    BlockMajorDecode,
+    NativeDecode,
+    PackedStep,
+    PagedKVCache,
+    UnsupportedAttention,
+    paged_attention,
+    register_paged_attention,
+)
+from workers.model.static_decode import StaticDecoder, decode_mode
+from workers.model.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
+from workers.row_work import RowWork
+
+logger = logging.getLogger(__name__)
+
+MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
+
+
+def sharded_loading(model_config: Any, size: int) -> dict:
+    """``from_pretrained`` arguments that load this rank's shard (none without tensor parallelism)."""
+    if size == 1:
+        return {}
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    check_divisible(model_config, size)
+    if not dist.is_initialized() or dist.get_world_size() != size:
+        raise RuntimeError(f"tensor_parallel_size={size}: join the rank's process group first "
+                           "(workers.model.tensor_parallel.join_group)")
+    return {"distributed_config": DistributedConfig(tp_size=size)}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
+
+
+def default_block_size(device: torch.device, native_decode: bool) -> int:
+    """16, as vLLM: prefix-cache hits land on 16-token boundaries (a chat template's shared system
+    prompt is often 20-30 tokens). 64 for CPU decode attention in torch, which reads whole blocks
+    and pays for many tiny products more than for the padding of larger ones."""
+    return 64 if device.type == "cpu" and not native_decode else 16
+
+
+def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs in the C++ CPU kernel: ``auto`` where it applies and builds."""
+    if choice == "torch":
+        return False
+    if choice not in ("auto", "native"):
+        raise ValueError(f"decode_attention must be auto, native or torch, got {choice!r}")
+    if not native_attention.supports(device, dtype):
+        if choice == "native":
+            raise ValueError(f"decode_attention=native runs on CPU with float32 or bfloat16, not {device.type} "
+                             f"with {dtype}; use auto or torch")
+        return False
+    if choice == "native":
+        native_attention.load()  # raises NativeKernelUnavailable with the compiler's reason
+        return True
+    return native_attention.available()
+
+
+class ModelRunner:
+    """Holds one model replica and its paged KV cache; runs packed forward passes."""
+
+    static: StaticDecoder | None = None  # fixed-shape decode steps, once the cache exists
+
+    def __init__(self, model_path: str | Path, device: torch.device | str, dtype: str = "auto",
+                 max_model_len: int | None = None, trust_remote_code: bool = False,
+                 prepack_cpu_weights: bool = True, block_size: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
+                 spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
+                 cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None,
+                 model_config: Any = None) -> None:
+        """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
+        ahead writes the token of a row entering a block the coordinator has not yet given it
+        (``workers.step.ahead``); ``copy_blocks`` moves it there once the plan names the block.
+        ``tensor_parallel_size`` > 1: this process is one rank of a group that has joined its
+        ``torch.distributed`` group (``workers.model.tensor_parallel``); it holds that rank's shard and heads.
+        ``enforce_eager``: vLLM's switch for the fixed-shape decode forward (``workers.model.static_decode``):
+        unset, CUDA graphs on CUDA and the variable-shape forward on CPU. ``merge_projections``: Llama-style
+        layers in fewer operators (``workers.model.merged_layers``); unset, wherever the CPU's own fusion is not used.
+        ``model_config``: the Hugging Face config the run already read (``workers.model.model_facts``); a copy
+        is loaded with, since loading sets fields on it."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        register_paged_attention()
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()  # each step's logits and activations reuse the heap's pages
+        self.dtype = resolve_dtype(dtype, self.device)
+        if model_config is None:  # built on its own (tests, benches); an engine hands down the config it read
+            model_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), config=copy.deepcopy(model_config), dtype=self.dtype, trust_remote_code=trust_remote_code,
+            **sharded_loading(model_config, tensor_parallel_size),
+        )
+        config = model.config
+        self.max_model_len = resolved_max_model_len(config, max_model_len)
+        check_model_config(config, self.max_model_len)
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except Exception as exc:
+            raise UnsupportedAttention(
+                f"{type(model).__name__} does not accept a custom attention function ({exc})"
+            ) from None
+        self.model = model.to(self.device).eval()
+        self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size or default_block_size(self.device, self.native_decode)
+        self.num_layers, kv_heads, self.head_dim = kv_geometry(config)
+        self.kv_heads = kv_heads // tensor_parallel_size  # this rank's heads
+        block_size = self.block_size
+        per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
+        min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
+        static_mode = decode_mode(enforce_eager, self.device, tensor_parallel_size)
+        graph_bytes = self._graph_reserve(max_rows, cudagraph_capture_sizes) if static_mode == "graphs" else 0
+        self.num_blocks = smallest_over_ranks(
+            self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks,
+                             graph_bytes))
+        if self.num_blocks < min_blocks:
+            raise ValueError(
+                f"KV cache budget holds {self.num_blocks} blocks of {block_size} tokens "
+                f"({per_block} bytes each); one sequence of max_model_len={self.max_model_len} needs {min_blocks}. "
+                "Raise cache.kv_cache_memory / cache.gpu_memory_utilization or lower model.max_model_len."
+            )
+        self.last_step: PackedStep | None = None
+        self.cache: PagedKVCache | None = None
+        if verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
+            verify_once(self, model_path, trust_remote_code)
+        # One more block where a fixed-shape decode's padding rows write (no request owns it).
+        pad_blocks = 1 if static_mode else 0
+        self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks + pad_blocks, block_size,
+                                  self.kv_heads, self.head_dim, self.dtype, self.device)
+        self.spare_blocks = list(range(self.num_blocks, self.num_blocks + spare_blocks))
+        self.weight_bytes = shard_bytes(self.model)
+        self.kv_bytes = (self.num_blocks + spare_blocks) * per_block
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
+                    block_size, self.num_blocks * per_block / 2**20, self.device,
+                    "native CPU kernel" if self.native_decode else "torch")
+        # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
+        # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
+        # transformers' collectives hang on the linear modules that fusion would replace.
+        # The compiled fixed-shape decode traces the model as a GPU runs it: no native CPU ops.
+        cpu_fused = (prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1
+                     and static_mode != "compiled" and not merge_projections)
+        if cpu_fused:
+            fuse_cpu_layers(self.model)
+        if merge_projections is None:
+            merge_projections = self.device.type != "cpu" or static_mode == "compiled"
+        if merge_projections and not cpu_fused and tensor_parallel_size == 1:
+            merge_layers(self.model, paged_attention)
+        if static_mode:
+            self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
+            self.static.capture()
+
+    def _graph_reserve(self, max_rows: int, sizes: list[int] | None) -> int:
+        """GPU memory the decode graphs will hold: the peak of the largest fixed-shape forward, measured
+        on a two-block cache, plus its persistent buffers, with a quarter more for the pool's slack."""
+        self.cache = PagedKVCache(self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim, self.dtype,
+                                  self.device)
+        try:
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            decoder = StaticDecoder(self, "eager", max_rows, sizes)
+            buffers = torch.cuda.memory_allocated(self.device) - before
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            decoder.inputs.fill([], decoder.sizes[-1], decoder.pad_block, self.block_size)
+            with torch.inference_mode():
+                decoder._into_buffer(decoder.sizes[-1], decoder.widths[-1])
+            peak = torch.cuda.max_memory_allocated(self.device) - start
+        finally:
+            self.cache = None
+        return buffers + int(peak * 1.25)
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Every layer's K/V of blocks ``sources`` into blocks ``targets``."""
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(targets, device=self.device)
+        for pool in (*self.cache.keys, *self.cache.values):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    def _num_blocks(self, per_block: int, kv_cache_memory: int | None, utilization: float, every_row_full: int,
+                    graph_bytes: int = 0) -> int:
+        if kv_cache_memory is not None:
+            return kv_cache_memory // per_block
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * utilization) - (total - free) - graph_bytes
+            return max(budget, 0) // per_block
+        return every_row_full  # CPU without a budget: as much as every row at max_model_len
+
+    # ----- packing -----
+
+    def _pack(self, rows: list[RowWork]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedStep]:
+        ids: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (row index, offset in packed sequence, length)
+        bs = self.block_size
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            end = row.start_pos + n
+            if n == 0 or row.num_logits < 1 or row.num_logits > n:
+                raise ValueError(f"row {i}: {n} tokens cannot give {row.num_logits} logits")
+            if end > self.max_model_len:
+                raise ValueError(f"row {i} reaches position {end}, beyond max_model_len={self.max_model_len}")
+            if end > len(row.block_table) * bs:
+                raise ValueError(f"row {i} reaches position {end}; its {len(row.block_table)} blocks hold {len(row.block_table) * bs}")
+            spans.append((i, len(ids), n))
+            ids.extend(row.token_ids)
+            for pos in range(row.start_pos, end):
+                positions.append(pos)
+                blocks.append(row.block_table[pos // bs])
+                offsets.append(pos % bs)
+            keep.extend(range(len(ids) - row.num_logits, len(ids)))
+        device = self.device
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        # Decode rows and draft verification rows in one group: a block read once per layer serves
+        # all of its row's queries, and padding one-token rows to the longest costs only compute.
+        short = [s for s in spans if s[2] <= SHORT_QUERY_LIMIT and rows[s[0]].decode]
+        long_rows = [s for s in spans if not (s[2] <= SHORT_QUERY_LIMIT and rows[s[0]].decode)]
+        native = None
+        block_major: list[BlockMajorDecode] = []
+        if short and self.native_decode:
+            native = self._native(rows, short, len(ids))
+        elif short:
+            block_major = [self._block_major(rows, short, positions)]
+        groups: list[AttentionGroup] = []
+        groups += [self._group(rows, members, pos_t) for members in self._batches(rows, long_rows)]
+        step = PackedStep(
+            cache=self.cache,
+            write_slots=self._write_slots(blocks, offsets),
+            groups=groups,
+            block_major=block_major,
+            native=native,
+            native_writes=self.native_decode,  # _write_slots checked the slots for the kernel
+        )
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step
+
+    def _write_slots(self, blocks: list[int], offsets: list[int]) -> torch.Tensor:
+        heads = np.arange(self.kv_heads, dtype=np.int64)
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * self.kv_heads + heads) * self.block_size
+        slots += np.asarray(offsets, dtype=np.int64)[:, None]
+        if slots.size and (slots.min() < 0 or slots.max() >= self.cache.num_blocks * self.kv_heads * self.block_size):
+            raise ValueError("a K/V write slot is out of the cache's range")  # the native write would not check
+        return torch.from_numpy(slots.reshape(-1)).to(self.device)
+
+    def _block_major(self, rows: list[RowWork], members: list[tuple[int, int, int]],
+                     positions: list[int]) -> BlockMajorDecode:
+        bs = self.block_size
+        tables = [rows[i].block_table[: (rows[i].start_pos + n - 1) // bs + 1] for i, _, n in members]
+        return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
+                                  [offset for _, offset, _ in members], bs, self.cache.num_blocks, self.device)
+
+    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], num_tokens: int) -> NativeDecode:
+        bs = self.block_size
+        offsets = np.fromiter((offset for _, offset, _ in members), dtype=np.int64, count=len(members))
+        counts = np.fromiter((n for _, _, n in members), dtype=np.int64, count=len(members))
+        starts = np.fromiter((rows[i].start_pos for i, _, _ in members), dtype=np.int64, count=len(members))
+        needed = (starts + counts - 1) // bs + 1  # blocks up to each row's last query
+        tables = np.zeros((len(members), int(needed.max())), dtype=np.int64)
+        for r, (i, _, _) in enumerate(members):
+            tables[r, : needed[r]] = rows[i].block_table[: needed[r]]
+        column = np.arange(int(counts.max()))
+        valid = column < counts[:, None]
+        token_index = np.where(valid, offsets[:, None] + column, 0)
+        native = NativeDecode(block_tables=torch.from_numpy(tables), token_index=torch.from_numpy(token_index),
+                              query_pos=torch.from_numpy(np.where(valid, starts[:, None] + column, -1)),
+                              tokens=torch.from_numpy(token_index[valid]))
+        native_attention.check_indices(native.block_tables, native.token_index, native.query_pos,
+                                       self.cache.num_blocks, num_tokens, bs)
+        return native
+
+    def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """Prefill chunks (and long verification rows) in padded batches whose mask stays under
+        ``MASK_LIMIT`` entries."""
+        batches: list[list[tuple[int, int, int]]] = []
+        current: list[tuple[int, int, int]] = []
+        queries = keys = 0
+        for span in sorted(spans, key=lambda s: s[2]):
+            q, k = max(queries, span[2]), max(keys, rows[span[0]].start_pos + span[2])
+            if current and (len(current) + 1) * q * k > MASK_LIMIT:
+                batches.append(current)
+                current, q, k = [], span[2], rows[span[0]].start_pos + span[2]
+            current.append(span)
+            queries, keys = q, k
+        return batches + ([current] if current else [])
+
+    def _group(self, rows: list[RowWork], members: list[tuple[int, int, int]], pos_t: torch.Tensor) -> AttentionGroup:
+        q_len = max(n for _, _, n in members)
+        index = torch.zeros(len(members), q_len, dtype=torch.long)
+        valid = torch.zeros(len(members), q_len, dtype=torch.bool)
+        for r, (_, offset, n) in enumerate(members):
+            index[r, :n] = torch.arange(offset, offset + n)
+            valid[r, :n] = True
+        query_pos = pos_t[index].masked_fill(~valid, -1)
+        # Each row's blocks up to its last query, padded with block 0 (masked by position).
+        needed = [(rows[i].start_pos + n - 1) // self.block_size + 1 for i, _, n in members]
+        per_row = max(needed)
+        table = torch.zeros(len(members), per_row, dtype=torch.long)
+        for r, ((i, _, _), count) in enumerate(zip(members, needed)):
+            table[r, :count] = torch.tensor(rows[i].block_table[:count], dtype=torch.long)
+        device = self.device
+        return AttentionGroup(
+            q_len=q_len,
+            tokens=index[valid].to(device),
+            token_index=index.to(device),
+            valid_flat=valid.flatten().nonzero(as_tuple=True)[0].to(device),
+            query_pos=query_pos.to(device),
+            block_index=table.flatten().to(device),
+            rows=len(members),
+            key_len=per_row * self.block_size,
+        )
+
+    @torch.inference_mode()
+    def forward(self, rows: list[RowWork]) -> torch.Tensor:
+        """Logits ``[sum(num_logits), vocab]`` as float32, rows in the given order."""
+        if not rows:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        shape = self.static.shape(rows) if self.static is not None else None
+        if shape is not None:
+            return self.static.forward(rows, shape)
+        input_ids, position_ids, keep, step = self._pack(rows)
+        self.last_step = step  # inspected by the load-time check
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            packed_step=step,
+        )
+        return out.logits[0].to(torch.float32)

@@ -1,0 +1,270 @@
+"""A worker: mirror, processor replicas (the sampler) and the model for its own shard.
+
+Every worker applies every plan to its mirror and sampler, so processor state
+is identical everywhere; only the owner of a request keeps its KV cache, runs
+the model for it and samples it. With ``launch_ahead`` (the pipelined step,
+``scheduler.async_scheduling``) the forward of the next step starts as soon as
+this one is sampled (``workers.step.ahead``), and applying the next plan overlaps it.
+
+The model is loaded, run and sampled on the process's compute thread (``workers.step.compute_thread``);
+the caller's thread applies plans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.model.model_runner import ModelRunner
+from workers.model.static_decode import decode_mode
+from workers.model.tensor_parallel import Followers, LeadRunner
+from workers.row_work import RowWork
+from workers.sample.rejection import verify_drafts
+from workers.sample.sampler import Sampler
+from workers.step.ahead import Forwards, Logits, guess_next
+from workers.step.compute_thread import compute_thread
+from workers.step.mirror import BatchMirror
+from workers.wire import StepPlan, StepResult, offsets_of
+
+# KV blocks beyond the budget for the pipelined step, one per row the worker holds up to this many:
+# a guessed row entering a new block writes its token into one until the plan names its block
+# (``workers.step.ahead``); rows past this many in one step wait for the plan.
+MAX_SPARE_BLOCKS = 64
+
+
+class Worker:
+    def __init__(self, worker_id: int, runner: ModelRunner, sampler: Sampler,
+                 make_sampler: Callable[[], Sampler] | None = None, launch_ahead: bool = False) -> None:
+        """``launch_ahead``: start each next forward before its plan arrives (the pipelined step)."""
+        self.worker_id = worker_id
+        self.runner = runner
+        self.sampler = sampler
+        self.make_sampler = make_sampler
+        self.mirror = BatchMirror()
+        self.launch_ahead = launch_ahead
+        self.forwards = Forwards(runner)
+
+    def reset(self) -> None:
+        """Forget the batch (after another worker failed, everything is re-added)."""
+        if self.make_sampler is None:
+            raise RuntimeError("this worker cannot rebuild its sampler")
+        self.forwards.discard()
+        self.sampler = compute_thread().run(self.make_sampler)
+        self.mirror = BatchMirror()
+
+    def shutdown(self) -> None:
+        self.forwards.shutdown()
+
+    @classmethod
+    def from_config(cls, worker_id: int, config: Any, device: torch.device | str,
+                    followers: Followers | None = None) -> Worker:
+        """Build from a resolved ``RaysampleConfig`` (``cluster.config.resolve``: the model's facts are in
+        ``config.facts``). ``followers``: the other ranks of this
+        worker's tensor-parallel group, which joined its process group with this one (the lead)."""
+        runner = compute_thread().run(build_runner, config, device)
+        facts = config.facts
+        if followers is not None:
+            runner = LeadRunner(runner, followers)
+        tokenizer = None
+        if config.reasoning is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer, trust_remote_code=facts.trust_remote_code)
+
+        def make_sampler() -> Sampler:
+            from processors.builtins.thinking_budget import maybe_thinking_budget_holder
+
+            thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
+            engine_config = config.engine_config(facts.path, runner.vocab_size, runner.max_model_len)
+            sampler = Sampler(engine_config, device, config.custom_processors(), thinking=thinking,
+                              entry_points=config.processors_from_entry_points,
+                              grammar_cache_size=config.structured_outputs.grammar_cache_size)
+            if config.speculative is not None:
+                sampler.check_spec_decode_support()
+            return sampler
+
+        return cls(worker_id, runner, compute_thread().run(make_sampler), make_sampler,
+                   launch_ahead=pipelined(config, device))
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        try:
+            return self._step(plan)
+        except BaseException:
+            self.forwards.discard()
+            raise
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        start_time, start_cpu = time.perf_counter(), time.thread_time()
+        self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
+        batch_update, _ = self.mirror.apply(plan.update)
+        lo, hi = (int(x) for x in plan.shards[self.worker_id])
+        work, row_ids, samples, drafts = self._work(plan, lo, hi)
+        result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi))
+        overlap_cpu = time.thread_time() - start_cpu
+        compute_cpu = 0.0
+        if work:
+            # The processors' replicas take the plan's BatchUpdate while this shard's forward runs:
+            # sampling is the first thing that reads them. A wave of admissions (every worker
+            # applies every row) then costs no more than the forward its own rows need.
+            forward = compute_thread().start(self._forward, result, row_ids, work, overlap_cpu)
+            update_start = time.thread_time()
+            try:
+                self.sampler.update_state(batch_update)
+            except BaseException:
+                _settle(forward)  # its logits are nobody's; the next forward queues behind it anyway
+                raise
+            result.update_cpu_s = time.thread_time() - update_start
+            result.plan_s = time.perf_counter() - start_time
+            got, forward_cpu = forward.result()
+            compute_cpu = forward_cpu + compute_thread().run(self._sample, result, got, lo, hi, work, row_ids,
+                                                             samples, drafts)
+        else:
+            self.sampler.update_state(batch_update)
+            result.plan_s = time.perf_counter() - start_time
+        caller_cpu = time.thread_time()
+        if plan.audit:
+            result.row_digests = self.mirror.digests()
+            result.processor_digests = self.sampler.state_digests()
+        result.compute_s = time.perf_counter() - start_time
+        result.cpu_s = overlap_cpu + result.update_cpu_s + compute_cpu + time.thread_time() - caller_cpu
+        return result
+
+    def _work(self, plan: StepPlan, lo: int, hi: int) -> tuple[list[RowWork], list[str], list[bool],
+                                                                 list[list[int]] | None]:
+        """This shard's rows as the runner takes them (blocks the plan gives them included), their
+        request ids, which of them sample a token, and every row's drafts (None without)."""
+        rows = plan.block_rows
+        mine = np.flatnonzero((rows >= lo) & (rows < hi))
+        if mine.size:
+            at = offsets_of(plan.block_counts)
+            ids = plan.block_ids.tolist()
+            for i in mine.tolist():
+                self.mirror.row(int(rows[i])).block_table.extend(ids[at[i] : at[i + 1]])
+        drafts = None
+        if plan.draft_counts is not None:
+            flat, offsets = plan.draft_tokens.tolist(), plan.draft_offsets.tolist()
+            drafts = [flat[offsets[r] : offsets[r + 1]] for r in range(plan.batch_size)]
+        work, row_ids, samples = [], [], []
+        for index, start, count in zip(range(lo, hi), plan.start[lo:hi].tolist(), plan.num_tokens[lo:hi].tolist()):
+            row = self.mirror.row(index)
+            row_drafts = drafts[index] if drafts is not None else []
+            length = len(row.prompt_token_ids) + len(row.output_token_ids)
+            work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
+                                num_logits=len(row_drafts) + 1,
+                                decode=count == 1 and start >= len(row.prompt_token_ids)))
+            row_ids.append(row.request_id)
+            samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
+        return work, row_ids, samples, drafts
+
+    def _forward(self, result: StepResult, row_ids: list[str], work: list[RowWork],
+                 overlap_cpu: float) -> tuple[Logits, float]:
+        """On the compute thread: this shard's logits (started, on a GPU or a simulated device) and
+        the host CPU seconds it took."""
+        start_cpu = time.thread_time()
+        with torch.inference_mode(), self.forwards.on_device():
+            got = self.forwards.forward(row_ids, work)
+        result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
+        result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
+        if got.ahead_rows or got.wasted_rows:
+            result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
+        # a simulated device's work is in simulated_s, not host CPU
+        return got, time.thread_time() - start_cpu - got.inline_device_cpu_s
+
+    def _sample(self, result: StepResult, got: Logits, lo: int, hi: int, work: list[RowWork], row_ids: list[str],
+                samples: list[bool], drafts: list[list[int]] | None) -> float:
+        """On the compute thread: ``got``'s logits sampled into ``result``; returns its CPU seconds."""
+        start_cpu = time.thread_time()
+        device_cpu = 0.0
+        logits = got.logits
+        with torch.inference_mode(), self.forwards.on_device():
+            sample_start, sample_cpu = time.perf_counter(), time.thread_time()
+            if drafts is None:
+                out = self.sampler(logits, slice(lo, hi))
+                result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
+                result.logprobs = {r: [lp] for r, lp in out.logprobs.items()}
+                result.errors = out.errors
+            else:
+                verified = verify_drafts(self.sampler, logits, slice(lo, hi), drafts)
+                result.counts = np.array([len(t) for t in verified.tokens], dtype=np.int32)
+                result.tokens = np.array([t for row in verified.tokens for t in row], dtype=np.int32)
+                result.logprobs = {lo + i: lp for i, lp in enumerate(verified.logprobs) if lp is not None}
+                result.errors = verified.errors
+            passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
+            result.sample_pass_s = (time.perf_counter() - sample_start) / passes
+            wait_ready = getattr(self.runner, "wait_ready", None)
+            if wait_ready is not None:  # a simulated device sampled within its modelled step: read when it ends
+                device_cpu += time.thread_time() - sample_cpu
+                wait_ready()
+            if self.launch_ahead and drafts is None:
+                sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), samples)]
+                errors = {row - lo for row in result.errors}
+                self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
+                                                       self.runner.max_model_len, self.runner.spare_blocks))
+        return time.thread_time() - start_cpu - device_cpu
+
+
+def _settle(future: Future) -> None:
+    """Wait for ``future`` and drop its outcome."""
+    try:
+        future.result()
+    except BaseException:  # noqa: BLE001 - the step fails with the error that stopped it first
+        pass
+
+
+def pipelined(config: Any, device: torch.device | str) -> bool:
+    """Whether each next forward starts before its plan arrives (``scheduler.async_scheduling``)."""
+    # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
+    # decoding every step waits for its plan (the synchronous step), as the docs say.
+    ahead = config.scheduler.async_scheduling
+    if ahead is None:
+        # Not where steps replay CUDA graphs: a replay is a few launches, so there is little host
+        # work to hide, and a guess that misses a row (an admission) costs a second replay; on an
+        # H100 the synchronous step was faster (bench/RESULTS.md, "the step as CUDA graphs").
+        graphs = decode_mode(config.model.enforce_eager, torch.device(device),
+                             config.model.tensor_parallel_size) == "graphs"
+        ahead = config.model.simulate is not None or (torch.device(device).type != "cpu" and not graphs)
+    return ahead and config.speculative is None
+
+
+def build_runner(config: Any, device: torch.device | str) -> Any:
+    """The model runner of a worker, or of one rank of its tensor-parallel group (every rank the same)."""
+    spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if pipelined(config, device) else 0
+    if config.model.simulate is not None:
+        return simulated_runner(config, device, spare)
+    facts = config.facts
+    return ModelRunner(
+        facts.path,
+        device,
+        config.model.dtype,
+        max_model_len=facts.max_model_len,
+        trust_remote_code=facts.trust_remote_code,
+        model_config=facts.hf_config,
+        prepack_cpu_weights=config.model.cpu_weight_prepack,
+        block_size=config.cache.block_size,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        max_rows=config.scheduler.slots_per_worker(),
+        decode_attention=config.model.decode_attention,
+        spare_blocks=spare,
+        tensor_parallel_size=config.model.tensor_parallel_size,
+        enforce_eager=config.model.enforce_eager,
+        cudagraph_capture_sizes=config.model.cudagraph_capture_sizes,
+    )
+
+
+def simulated_runner(config: Any, device: torch.device | str, spare_blocks: int = 0) -> Any:
+    """The config's ``model.simulate`` runner: the source model's vocabulary and length, no weights."""
+    from workers.doubles.simulated_runner import SimulatedRunner
+
+    max_model_len = config.facts.max_model_len
+    block_size = config.cache.block_size or 16
+    simulate = config.model.simulate
+    blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)
+    return SimulatedRunner(simulate.compute_model(config.model.tensor_parallel_size), config.facts.vocab_size,
+                           max_model_len, blocks, block_size, device, spare_blocks=spare_blocks)
