@@ -118,12 +118,12 @@ def ray_overhead_ms(workers: int, prompts: list[str], params: SamplingParams, co
 
 
 def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, overlap: bool) -> float:
-    """The step loop (``EngineCore``) in this process over compiled-graph workers, with step N's
+    """The step loop (``StepLoop``) in this process over compiled-graph workers, with step N's
     outputs built while step N+1 runs (the engine's way) or after step N, before planning N+1."""
-    from cluster.ray.engine_core import EngineCore
+    from cluster.ray.step_loop import StepLoop
 
-    EngineCore.overlap_outputs = overlap
-    core = EngineCore(resolve(config(workers, f"overlap-{workers}-{overlap}", compiled=True)))
+    StepLoop.overlap_outputs = overlap
+    core = StepLoop(resolve(config(workers, f"overlap-{workers}-{overlap}", compiled=True)))
     try:
         core.add_requests([(p, params, None) for p in prompts[:2]])
         while core.coordinator.has_unfinished():
@@ -135,17 +135,17 @@ def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, over
         assert len(core.poll(ids, 5.0, finished_only=True)) > 0
         return statistics.median(core.step_overhead_ms)
     finally:
-        EngineCore.overlap_outputs = None
+        StepLoop.overlap_outputs = None
         core.shutdown()
 
 
 def overlap_ab_tokens_per_s(requests: int, cores: int, overlap: bool) -> float:
     """Tokens/s of the step loop in this process over one worker with every core (actor calls),
     bench model: does building outputs during the step pay when the worker's threads fill the cores?"""
-    from cluster.ray.engine_core import EngineCore
+    from cluster.ray.step_loop import StepLoop
 
-    EngineCore.overlap_outputs = overlap
-    core = EngineCore(resolve({
+    StepLoop.overlap_outputs = overlap
+    core = StepLoop(resolve({
         "model": {"tiny": "bench", "max_model_len": 256},
         "cluster": {"num_workers": 1, "cpus_per_worker": cores, "coordinator_name": f"overlap-bench-{overlap}"},
         "scheduler": {"max_num_seqs": 64},
@@ -162,7 +162,7 @@ def overlap_ab_tokens_per_s(requests: int, cores: int, overlap: bool) -> float:
                 tokens += len(out.token_ids)
         return tokens / (time.perf_counter() - start)
     finally:
-        EngineCore.overlap_outputs = None
+        StepLoop.overlap_outputs = None
         core.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""The coordinator actor: hosts the ``cluster.ray.engine_core.EngineCore`` and forwards to it."""
+"""The coordinator actor: hosts the ``cluster.ray.step_loop.StepLoop`` and forwards to it."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import ray
 
 @ray.remote(max_concurrency=64)
 class CoordinatorActor:
-    """Hosts the ``cluster.ray.engine_core.EngineCore`` step loop; many callers at once."""
+    """Hosts the ``cluster.ray.step_loop.StepLoop`` step loop; many callers at once."""
 
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
                  kv_note: str | None = None) -> None:
         from cluster.quiet import quiet_libraries
-        from cluster.ray.engine_core import EngineCore
+        from cluster.ray.step_loop import StepLoop
 
         quiet_libraries()
-        self.core = EngineCore(config, placement, workers, kv_note)
+        self.core = StepLoop(config, placement, workers, kv_note)
 
     def ready(self) -> bool:
         return self.core.ready()

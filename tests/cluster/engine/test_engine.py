@@ -331,7 +331,7 @@ def test_delivered_requests_are_forgotten_so_a_long_lived_engine_stays_flat(engi
 
 
 def test_buffered_outputs_carry_every_delta_in_one_snapshot():
-    from cluster.ray.engine_core import merge_outputs
+    from cluster.ray.step_loop import merge_outputs
     from coordinator.request import CompletionOutput, RequestOutput
 
     def snapshot(tokens, new):

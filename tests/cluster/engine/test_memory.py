@@ -83,6 +83,7 @@ def test_llm_with_only_a_model_answers_in_process():
     assert "Paris" in out.outputs[0].text
 
 
+@pytest.mark.ray
 def test_llm_with_only_a_model_answers_on_ray_and_a_budget_larger_than_the_machine_is_refused():
     """As a user runs it: a fresh process, a private Ray instance, nothing but the model named."""
     script = textwrap.dedent("""

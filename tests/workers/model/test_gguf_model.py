@@ -123,6 +123,7 @@ def readme_llm_block() -> str:
     return next(b for b in blocks if "LLM(" in b)
 
 
+@pytest.mark.ray
 def test_readme_and_guide_llm_blocks_on_ray_equal_transformers(reference):
     """The README's ``LLM`` example and the guide's, run as written on Ray (2 workers); then greedy
     chat output through that handle equals transformers ``generate``."""

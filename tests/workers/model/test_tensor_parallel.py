@@ -255,6 +255,7 @@ def chosen_logprobs(output) -> list[float]:
     return [lp[t].logprob for t, lp in zip(output.token_ids, output.logprobs)]
 
 
+@pytest.mark.ray
 def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instance):
     """Through vLLM's handle, ``LLM(tensor_parallel_size=2)``. One group verifies n-gram drafts (rows of
     several queries on every rank); two groups run pipelined: the forward launched ahead, and its
@@ -283,6 +284,7 @@ def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instanc
         assert w0 == w1 and k0 == k1 > 0  # the same shard size and KV heads on each rank
 
 
+@pytest.mark.ray
 def test_a_killed_rank_takes_its_group_down_and_the_rows_are_requeued(ray_instance):
     import ray
 

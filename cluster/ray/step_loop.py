@@ -42,7 +42,7 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     return later
 
 
-class EngineCore:
+class StepLoop:
     # Build and publish step N's outputs while step N+1 runs: None decides from the cores
     # (``_has_spare_core``); bench/step_overhead.py sets it to measure what the overlap saves.
     overlap_outputs: bool | None = None
