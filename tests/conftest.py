@@ -17,6 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ray: starts or joins a Ray cluster (these run one at a time, on one worker)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(RAY_FOLDER) or item.get_closest_marker("ray"):
