@@ -359,8 +359,12 @@ def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
         deadline, samples = time.monotonic() + 60, {}
         while time.monotonic() < deadline:  # a last step may still drop finished rows from the workers
             samples, stats = scrape("metrics-engine"), engine.stats()
+            # Each metric reaches the endpoint on its own export tick: wait until every one compared is current.
             if (samples.get("ray_raysample_generated_tokens_total") == generated
-                    and samples.get("ray_raysample_step_seconds_count") == stats["steps"]):
+                    and samples.get("ray_raysample_step_seconds_count") == stats["steps"]
+                    and samples.get("ray_raysample_spec_proposed_tokens_total") == stats["spec_proposed"]
+                    and samples.get("ray_raysample_spec_accepted_tokens_total") == stats["spec_accepted"]
+                    and samples.get("ray_raysample_requests_finished_total{length}") == 4):
                 break
             time.sleep(0.5)
         assert samples.get("ray_raysample_generated_tokens_total") == generated, samples

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -42,9 +44,13 @@ def ray_head(tmp_path_factory):
                               env=base | {"HOME": str(home)})
     assert generate.returncode == 0 and token.read_text().strip(), generate.stderr
     base["RAY_AUTH_TOKEN_PATH"] = str(token)  # this test's own token, wherever HOME is
-    port, dashboard = free_port(), free_port()
+    # Ports of its own: Ray's fixed defaults (the dashboard agent's 52365, the client server's 10001) are taken
+    # by whichever cluster on this host started first, and a head without its agent takes no job.
+    port, dashboard, agent, client = free_port(), free_port(), free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths live under it
     start = subprocess.run(
         [RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=4",
+         f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}", f"--temp-dir={temp_dir}",
          "--include-dashboard=true", "--disable-usage-stats"],
         capture_output=True, text=True, timeout=180, env=base,
     )
@@ -53,7 +59,33 @@ def ray_head(tmp_path_factory):
     try:
         yield f"http://127.0.0.1:{dashboard}", base
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=base)
+        stop_head(temp_dir)
+
+
+def stop_head(temp_dir: str) -> None:
+    """This head's processes only (found by its temp dir), not `ray stop`, which ends every Ray cluster on
+    the host, those of tests running beside this one included."""
+    import psutil
+
+    ours = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in arg for arg in process.info["cmdline"] or []):
+            try:
+                ours += [process, *process.children(recursive=True)]
+            except psutil.Error:
+                pass
+    for process in ours:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def submit(address: str, env: dict[str, str], entrypoint: list[str], *extra: str) -> subprocess.CompletedProcess:
