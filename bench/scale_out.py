@@ -277,7 +277,8 @@ def main() -> None:
             parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     modes = [{"sync": False, "pipelined": True}[m] for m in args.modes.split(",") if m]
     if args.tp:
-        ray.init(num_cpus=TOTAL_WORKERS + 2, include_dashboard=False, namespace="raysample", log_to_driver=False)
+        ray.init(address="local", num_cpus=TOTAL_WORKERS + 2, include_dashboard=False, namespace="raysample",
+                 log_to_driver=False)
         print(f"simulated {args.preset} ranks; {args.rows} rows per GPU, {args.max_tokens} tokens a request")
         tp_runs = []
         try:
@@ -297,7 +298,7 @@ def main() -> None:
         shapes += [(int(k), TOTAL_WORKERS // int(k), False) for k in args.engines.split(",") if k]
         shapes += [(1, int(w), True) for w in args.compiled.split(",") if w]
         rows, max_tokens = args.rows, args.max_tokens
-    ray.init(num_cpus=max(k * w for k, w, _ in shapes) + 2, include_dashboard=False, namespace="raysample",
+    ray.init(address="local", num_cpus=max(k * w for k, w, _ in shapes) + 2, include_dashboard=False, namespace="raysample",
              log_to_driver=False)
     print(f"simulated {args.preset} workers, {rows} rows each, {max_tokens} tokens a request, "
           f"{2 * rows} requests per worker")

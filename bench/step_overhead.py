@@ -195,7 +195,8 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [f"request {i}: the quick brown fox" for i in range(args.requests)]
     params = SamplingParams(seed=1, max_tokens=args.tokens, ignore_eos=True)
-    ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, namespace="raysample-bench", log_to_driver=False)
+    ray.init(address="local", num_cpus=max(args.workers) + 2, include_dashboard=False, namespace="raysample-bench",
+             log_to_driver=False)
     print(f"{args.requests} requests x {args.tokens} tokens, tiny model, CPU workers; median ms over steps")
     print(f"{'workers':>7} {'in-process':>11} {'Ray, actor calls':>17} {'Ray, compiled graph':>20}"
           f"   bare round trip to no-op actors: {'calls':>6} {'graph':>6}")

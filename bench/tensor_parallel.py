@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     args = parser.parse_args()
     sizes = [int(s) for s in (args.sizes or ("1,3" if args.model == "smollm2" else "1,2,4")).split(",")]
-    ray.init(num_cpus=max(sizes) + 2, include_dashboard=False, namespace="raysample", log_to_driver=False)
+    ray.init(address="local", num_cpus=max(sizes) + 2, include_dashboard=False, namespace="raysample", log_to_driver=False)
     print(f"model {args.model}; KV budget {KV_BUDGET // MiB} MiB per rank; {args.requests} greedy requests x 32 tokens")
     print(f"{'TP':>3} {'weights/rank MiB':>17} {'KV/rank MiB':>12} {'RSS/rank MiB':>13} {'tokens/s':>9} "
           f"{'vs TP=1':>8} {'same tokens':>12}")

@@ -25,3 +25,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.nodeid.startswith(RAY_FOLDER):
             item.add_marker(pytest.mark.ray)
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # The long Ray modules first, so that under xdist the short tests fill the cores around them.
+    items.sort(key=lambda item: item.get_closest_marker("ray") is None)

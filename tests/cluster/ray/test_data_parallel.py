@@ -64,7 +64,7 @@ def comparable(path) -> dict:
 def ray_cluster():
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")
     path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests",
+    ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests",
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
