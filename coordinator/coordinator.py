@@ -18,14 +18,16 @@ sibling rows whose outputs come back together as one ``RequestOutput``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
 from coordinator.intake.admission import Admission
+from coordinator.intake.prefix_order import prefix_order
 from coordinator.intake.quarantine import Quarantine
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.metrics import EngineMetrics
@@ -134,7 +136,20 @@ class Coordinator:
             self.scheduler.add(request)
         if error is not None:
             self.outputs.due(group)
+        else:
+            self.metrics.prompt_tokens += len(prompt_ids)
         return request_id
+
+    @contextmanager
+    def submitting_together(self) -> Iterator[None]:
+        """The requests added inside (one ``submit_many``) enter the queue with those sharing a prompt prefix
+        side by side (``group_by_prefix``; ``coordinator.intake.prefix_order``), so a shared prefix is computed
+        once while its group runs. Their ids are given in the caller's order all the same."""
+        self.scheduler.hold()
+        try:
+            yield
+        finally:
+            self.scheduler.release_held(_by_prefix if self.config.group_by_prefix else None)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text prompt; ValueError, before any work, for one that cannot fit."""
@@ -181,6 +196,8 @@ class Coordinator:
         return {
             "kv_usage": self.kv.usage(),
             "prefix_hit_tokens": self.kv.hit_tokens,
+            "prompt_tokens": self.metrics.prompt_tokens,
+            "prefill_tokens": self.metrics.prefill_tokens,
             "preemptions": self.scheduler.num_preemptions,
         }
 
@@ -474,3 +491,7 @@ class Coordinator:
                 self.rows.pop(child.request_id, None)
                 self.outputs.forget(child.request_id)
         self.outputs.delivered = keep
+
+
+def _by_prefix(requests: list[Request]) -> list[int]:
+    return prefix_order([r.prompt_token_ids for r in requests])

@@ -67,3 +67,4 @@ class CoordinatorConfig:
     grammar_compile_timeout_s: float = 10.0  # structured_outputs.compile_timeout_s
     grammar_compile_max_memory: int = 2 << 30  # structured_outputs.compile_max_memory
     max_logprobs: int = 20
+    group_by_prefix: bool = True  # input.group_by_prefix: one submitted batch queues by shared prompt prefix

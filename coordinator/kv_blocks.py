@@ -89,6 +89,15 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def count_hits(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` this pool holds (computed, or being computed this step)."""
+        count = 0
+        for key in keys:
+            if key not in self.index:
+                break
+            count += 1
+        return count
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Cached blocks of the longest prefix of ``keys``."""
         hits = []
@@ -143,12 +152,13 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def start(self, owner: int, tokens: Sequence[int], salt: bytes | None) -> KVState:
-        """A fresh state on ``owner``, starting from the longest cached prefix (at least one token left to run)."""
+    def start(self, owner: int, tokens: Sequence[int], salt: bytes | None, keys: list[bytes] | None = None) -> KVState:
+        """A fresh state on ``owner``, starting from the longest cached prefix (at least one token left to run).
+        ``keys``: the tokens' ``chain_keys``, when the caller has them already."""
         state = KVState()
         if salt is None:
             return state
-        keys = chain_keys(tokens, self.block_size, salt)
+        keys = chain_keys(tokens, self.block_size, salt) if keys is None else keys
         usable = (len(tokens) - 1) // self.block_size
         hits = self.pools[owner].lookup(keys[:usable])
         self.pools[owner].share(hits)

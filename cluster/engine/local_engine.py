@@ -124,8 +124,9 @@ class LocalEngine(RequestAPI):
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
         prompts = [as_prompt(p) for p in prompts]
         params = params_per_prompt(sampling_params, len(prompts))
-        return [self.add_request(p, sp, rid, final_only=final_only)
-                for p, sp, rid in zip(prompts, params, request_ids or [None] * len(prompts))]
+        with self.coordinator.submitting_together():
+            return [self.add_request(p, sp, rid, final_only=final_only)
+                    for p, sp, rid in zip(prompts, params, request_ids or [None] * len(prompts))]
 
     def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
              ) -> list[RequestOutput]:

@@ -122,6 +122,16 @@ def signals_held() -> Iterator[None]:
         raise KeyboardInterrupt()
 
 
+def prompt_tokens_line(stats: dict) -> str:
+    """Prompt tokens computed against given: what the prefix cache (and grouping by prefix) saved."""
+    given, computed = stats.get("prompt_tokens") or 0, stats.get("prefill_tokens") or 0
+    if computed <= given:
+        saved = f"{1 - computed / given:.0%} found in the prefix cache" if given else "none given"
+    else:
+        saved = "more: preempted requests were recomputed"
+    return f"prompt tokens: {computed} computed of {given} given ({saved})"
+
+
 def interrupted(exc: KeyboardInterrupt, args: argparse.Namespace) -> int:
     """One line with the resume hint; 143 for SIGTERM, 130 for Ctrl-C (128 + the signal, as shells report)."""
     print(interrupted_message(args.output, getattr(args, "overwrite", False)), file=sys.stderr, flush=True)
@@ -282,6 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
         flush=True,
     )
+    print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
     if counters.retryable:  # the engine failed them, not the requests: the caller should resume
         print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
               f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)

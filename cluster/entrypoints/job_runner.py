@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from cluster.entrypoints.job_lines import BadLine, OversizedLine, decode_line, e
 from cluster.entrypoints.job_progress import JobCounters, Progress
 from cluster.entrypoints.job_records import open_for_append
 from cluster.entrypoints.openai_batch import PromptParts
+from coordinator.intake.prefix_order import prefix_order
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 
@@ -45,43 +47,70 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
 
         lines = input_lines(input_path, max_bytes)
         exhausted = False
-        while not exhausted or in_flight:
-            batch: list[tuple[Any, Any, Any, SamplingParams, str]] = []
-            while not exhausted and len(in_flight) + len(batch) < max_in_flight:
+
+        def parsed(item: tuple[int, bytes | OversizedLine]) -> Parsed | None:
+            """The line ready to run, or None: skipped (a final record exists) or rejected (its error record written)."""
+            line_no, raw = item
+            digest, key = digest_of(raw), peek_key(fmt, raw)
+            # One rule for ids: the first line with an id takes it, whatever becomes of that line
+            # (result or error, in this run or an earlier one); a later line with it is a duplicate.
+            if written.done(digest, None) or (key is not None and key in written.ids and key not in seen):
+                counters.skipped += 1  # a final record exists (resume)
+                if key is not None:
+                    seen.add(key)
+                return None
+            if isinstance(raw, OversizedLine):
+                reject(None, line_no, digest, f"line is {raw.size} bytes: more than any request that fits "
+                                              f"max_model_len={fmt.limits().max_model_len} tokens can need "
+                                              f"({max_bytes} bytes); it was not read")
+                return None
+            shown_id = fmt.peek(raw.decode("utf-8", "replace"))
+            if key is not None and key in seen:
+                reject(shown_id, line_no, digest, f"duplicate id {shown_id!r}: an earlier line has it")
+                return None
+            if key is not None:
+                seen.add(key)
+            try:
+                rid, context, prompt, params = fmt.parse(decode_line(raw))
+            except BadLine as exc:
+                reject(shown_id, line_no, digest, str(exc))
+                return None
+            return Parsed(rid, context, prompt, params, digest, len(raw))
+
+        def next_window() -> list[Parsed]:
+            """The next lines to run, read ahead up to input.read_ahead_lines/_bytes, shared prefixes side by side."""
+            nonlocal exhausted
+            bounds = config.input
+            window: list[Parsed] = []
+            size = 0
+            while not exhausted and len(window) < bounds.read_ahead_lines and size < bounds.read_ahead_bytes:
+                if window and not bounds.group_by_prefix:
+                    break  # input order: no need to read ahead
                 item = next(lines, None)
                 if item is None:
                     exhausted = True
                     break
-                line_no, raw = item
-                digest, key = digest_of(raw), peek_key(fmt, raw)
-                # One rule for ids: the first line with an id takes it, whatever becomes of that line
-                # (result or error, in this run or an earlier one); a later line with it is a duplicate.
-                if written.done(digest, None) or (key is not None and key in written.ids and key not in seen):
-                    counters.skipped += 1  # a final record exists (resume)
-                    if key is not None:
-                        seen.add(key)
-                    continue
-                if isinstance(raw, OversizedLine):
-                    reject(None, line_no, digest, f"line is {raw.size} bytes: more than any request that fits "
-                                                  f"max_model_len={fmt.limits().max_model_len} tokens can need "
-                                                  f"({max_bytes} bytes); it was not read")
-                    continue
-                shown_id = fmt.peek(raw.decode("utf-8", "replace"))
-                if key is not None and key in seen:
-                    reject(shown_id, line_no, digest, f"duplicate id {shown_id!r}: an earlier line has it")
-                    continue
-                if key is not None:
-                    seen.add(key)
-                try:
-                    rid, context, prompt, params = fmt.parse(decode_line(raw))
-                except BadLine as exc:
-                    reject(shown_id, line_no, digest, str(exc))
-                    continue
-                batch.append((rid, context, prompt, params, digest))
+                entry = parsed(item)
+                if entry is not None:
+                    window.append(entry)
+                    size += entry.size
+            if not bounds.group_by_prefix or len(window) < 2:
+                return window
+            return [window[i] for i in prefix_order([next(iter(parts_of(e.prompt)), None) for e in window])]
+
+        ready: deque[Parsed] = deque()
+        while not exhausted or ready or in_flight:
+            batch: list[Parsed] = []
+            while len(in_flight) + len(batch) < max_in_flight:
+                if not ready:
+                    ready.extend(next_window())
+                    if not ready:
+                        break
+                batch.append(ready.popleft())
             if batch:
-                requests = [(part_id, part, params, (line, i)) for rid, context, prompt, params, digest in batch
-                            for line in [InFlight(rid, context, digest, [None] * len(parts_of(prompt)))]
-                            for i, (part_id, part) in enumerate(zip(part_ids(rid, prompt), parts_of(prompt)))]
+                requests = [(part_id, part, e.params, (line, i)) for e in batch
+                            for line in [InFlight(e.rid, e.context, e.digest, [None] * len(parts_of(e.prompt)))]
+                            for i, (part_id, part) in enumerate(zip(part_ids(e.rid, e.prompt), parts_of(e.prompt)))]
                 ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
                                           [r[0] for r in requests], final_only=True)
                 in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
@@ -113,6 +142,18 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                     progress.advance()
     progress.close()
     return counters
+
+
+@dataclass
+class Parsed:
+    """A line read and parsed, waiting to be submitted."""
+
+    rid: Any
+    context: Any
+    prompt: Any
+    params: SamplingParams
+    digest: str
+    size: int
 
 
 @dataclass

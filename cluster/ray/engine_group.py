@@ -1,8 +1,9 @@
 """Data-parallel engines (``cluster.num_engines``, vLLM's ``data_parallel_size``) behind one handle.
 
 Each engine is a whole raysample engine: a coordinator with its own workers and
-placement group. Requests go to the engine with the least outstanding work, and
-an output does not depend on which engine made it: sampling is keyed by the
+placement group. Requests go to the engine with the least outstanding work (or,
+not much busier, to the one that took their prompt's prefix last: its cache holds
+it), and an output does not depend on which engine made it: sampling is keyed by the
 request's seed or id, and the group gives ids in one sequence as one engine
 would. An engine that dies (its coordinator gone, or failed for want of
 workers) has its unfinished requests run again, with the same ids, on the
@@ -25,10 +26,19 @@ from cluster.config import RaysampleConfig
 from cluster.engine.engine_api import POLL_S, RequestAPI, take_ready
 from cluster.engine.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
 from cluster.ray.engine_handle import EngineError, EngineGone, EngineHandle
+from coordinator.intake.prefix_order import chunk_keys
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Prefix affinity: a prompt goes where its longest known prefix (up to AFFINITY_DEPTH chunks of
+# coordinator.intake.prefix_order) went last, unless that engine's outstanding work is more than
+# the least loaded one's by AFFINITY_SLACK of it, or by AFFINITY_REQUESTS requests like this one.
+AFFINITY_DEPTH = 64
+AFFINITY_SLACK = 0.25
+AFFINITY_REQUESTS = 4
+AFFINITY_KEYS = 1 << 18  # keys remembered, oldest forgotten first
 
 
 def engine_config(config: RaysampleConfig, index: int) -> RaysampleConfig:
@@ -61,6 +71,7 @@ class Tracked:
     engine: int
     work: int
     tried: set[int] = field(default_factory=set)
+    prefix: list[bytes] = field(default_factory=list)  # the prompt's prefix-tree keys, for affinity
 
 
 class EngineGroup(RequestAPI):
@@ -77,6 +88,7 @@ class EngineGroup(RequestAPI):
         self._polls: dict[int, tuple[Any, bool]] = {}  # engine -> (its poll in flight, finished_only)
         self._next_id = 0
         self.reruns = 0
+        self._affinity: dict[bytes, int] = {}  # prefix-tree key -> the engine that last took a prompt with it
 
     @classmethod
     def from_config(cls, config: RaysampleConfig, kv_note: str | None = None) -> EngineGroup:
@@ -102,11 +114,26 @@ class EngineGroup(RequestAPI):
     def _alive(self) -> list[int]:
         return [i for i, e in enumerate(self.engines) if e is not None]
 
-    def _pick(self, exclude: set[int] = frozenset()) -> int:
-        choices = [i for i in self._alive() if i not in exclude] or self._alive()
+    def _pick(self, tracked: Tracked) -> int:
+        """The least loaded engine, or the one that last took this prompt's longest known prefix while it is
+        not much busier: a shared prefix stays in one engine's cache instead of being computed by each."""
+        choices = [i for i in self._alive() if i not in tracked.tried] or self._alive()
         if not choices:
             raise EngineGone(f"all {len(self.engines)} engines of {self.name!r} are gone")
-        return min(choices, key=lambda i: (self._load[i], i))
+        least = min(choices, key=lambda i: (self._load[i], i))
+        ceiling = self._load[least] + max(AFFINITY_REQUESTS * tracked.work, int(AFFINITY_SLACK * self._load[least]))
+        for key in reversed(tracked.prefix):
+            home = self._affinity.get(key)
+            if home is not None:
+                return home if home in choices and self._load[home] <= ceiling else least
+        return least
+
+    def _remember(self, tracked: Tracked, index: int) -> None:
+        for key in tracked.prefix:
+            self._affinity.pop(key, None)
+            self._affinity[key] = index  # most recent last
+        while len(self._affinity) > AFFINITY_KEYS:
+            self._affinity.pop(next(iter(self._affinity)))
 
     def _send(self, assignments: dict[int, list[tuple[str, Tracked]]]) -> None:
         """Queue each engine's share; an engine found dead here hands its share to the others."""
@@ -128,7 +155,8 @@ class EngineGroup(RequestAPI):
                     assignments.setdefault(self._assign(rid, tracked), []).append((rid, tracked))
 
     def _assign(self, rid: str, tracked: Tracked) -> int:
-        index = self._pick(tracked.tried)
+        index = self._pick(tracked)
+        self._remember(tracked, index)
         tracked.engine = index
         tracked.tried.add(index)
         self._load[index] += tracked.work
@@ -181,7 +209,8 @@ class EngineGroup(RequestAPI):
                 if rid is None:
                     rid = f"req-{self._next_id}"  # the sequence one engine would give
                     self._next_id += 1
-                tracked = Tracked(prompt, p, final_only, -1, work_estimate(prompt, p, self.max_model_len))
+                tracked = Tracked(prompt, p, final_only, -1, work_estimate(prompt, p, self.max_model_len),
+                                  prefix=chunk_keys(prompt, AFFINITY_DEPTH))
                 assignments.setdefault(self._assign(rid, tracked), []).append((rid, tracked))
                 ids.append(rid)
             try:
@@ -292,7 +321,7 @@ class EngineGroup(RequestAPI):
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Streamed from the least loaded engine; a stream is not moved if its engine dies (it ends in an error)."""
         with self._lock:
-            index = self._pick()
+            index = self._pick(Tracked(as_prompt(prompt), sampling_params, False, -1, 0))
             engine = self.engines[index]
             if request_id is None:
                 request_id = f"req-{self._next_id}"
@@ -319,7 +348,8 @@ class EngineGroup(RequestAPI):
             total = {key: sum(s.get(key) or 0 for s in alive)
                      for key in ("running", "waiting", "workers_alive", "steps", "generated_tokens",
                                  "tokens_per_s", "tokens_per_s_lifetime", "spec_proposed", "spec_accepted",
-                                 "ahead_rows", "ahead_wasted_rows")}
+                                 "ahead_rows", "ahead_wasted_rows", "prompt_tokens", "prefill_tokens",
+                                 "prefix_hit_tokens", "preemptions")}
             proposed = total["spec_proposed"]
             return {
                 **total,

@@ -23,6 +23,9 @@ class EngineRayMetrics:
                                 tag_keys=(*tags, "finish_reason"))
         self.generated = Counter("raysample_generated_tokens", "Output tokens generated", tag_keys=tags)
         self.prefill = Counter("raysample_prefill_tokens", "Prompt (and recomputed) tokens computed", tag_keys=tags)
+        self.prompt = Counter("raysample_prompt_tokens", "Prompt tokens given (computed or found in the prefix cache)",
+                              tag_keys=tags)
+        self._prompt_exported = 0
         self.spec_proposed = Counter("raysample_spec_proposed_tokens", "Draft tokens proposed", tag_keys=tags)
         self.spec_accepted = Counter("raysample_spec_accepted_tokens", "Draft tokens accepted", tag_keys=tags)
         self.step_time = Histogram("raysample_step_seconds", "Wall time of one engine step", boundaries=STEP_SECONDS,
@@ -32,9 +35,15 @@ class EngineRayMetrics:
         self.kv_usage = Gauge("raysample_kv_cache_usage", "Fraction of KV cache blocks in use", tag_keys=tags)
         self.tokens_per_s = Gauge("raysample_generation_tokens_per_second", "Output tokens/s over the last 10 s",
                                   tag_keys=tags)
-        for metric in (self.requests, self.generated, self.prefill, self.spec_proposed, self.spec_accepted,
+        for metric in (self.requests, self.generated, self.prefill, self.prompt, self.spec_proposed, self.spec_accepted,
                        self.step_time, self.running, self.waiting, self.kv_usage, self.tokens_per_s):
             metric.set_default_tags(self._tags)
+
+    def record_prompt_tokens(self, total: int) -> None:
+        """The coordinator's running total of prompt tokens given (requests arrive between steps too)."""
+        if total > self._prompt_exported:
+            self.prompt.inc(total - self._prompt_exported)
+            self._prompt_exported = total
 
     def record_step(self, step_s: float, generated: int, prefill: int, proposed: int, accepted: int) -> None:
         self.step_time.observe(step_s)

@@ -118,8 +118,9 @@ class StepLoop:
                       and not self.coordinator.requests[rid].finished]
             if in_use:
                 raise ValueError(f"request id(s) {in_use} already in use")
-            ids = [self.coordinator.add_request(prompt, params, request_id, token_ids, rejected, final_only)
-                   for prompt, params, request_id, token_ids, rejected in prepared]
+            with self.coordinator.submitting_together():
+                ids = [self.coordinator.add_request(prompt, params, request_id, token_ids, rejected, final_only)
+                       for prompt, params, request_id, token_ids, rejected in prepared]
             self._publish(self.coordinator.take_outputs())
             self.lock.notify_all()
             return ids
@@ -247,12 +248,14 @@ class StepLoop:
         c, m = self.coordinator, self.coordinator.metrics
         self._publish(c.take_outputs())
         self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
+        self.ray_metrics.record_prompt_tokens(m.prompt_tokens)
         self.lock.wait(0.05)
 
     def _record_step(self, step_s: float, before: tuple[int, int, int, int]) -> None:
         m, c = self.coordinator.metrics, self.coordinator
         after = (m.generated_tokens, m.prefill_tokens, m.spec_proposed, m.spec_accepted)
         self.ray_metrics.record_step(step_s, *(a - b for a, b in zip(after, before)))
+        self.ray_metrics.record_prompt_tokens(m.prompt_tokens)
         self.ray_metrics.record_load(c.num_running(), c.num_waiting(), c.kv.usage(), m.generation_rate.rate())
 
     def _fail(self, message: str) -> None:

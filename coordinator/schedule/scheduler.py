@@ -11,8 +11,11 @@ block pool, in this order:
 3. decoding rows get their speculative drafts, as many as the draft policy finds
    worth verifying and fit;
 4. waiting requests are admitted first come, first served, each with at least
-   one token of budget, a row on the least loaded worker, and the blocks its
-   first chunk needs after prefix-cache hits.
+   one token of budget, a row on the least loaded worker (or on the worker that
+   holds its prefix, if not much busier), and the blocks its first chunk needs
+   after prefix-cache hits: blocks cached, or being computed in this same step
+   by a request admitted before it, so two requests that share an uncached
+   prefix compute it once.
 
 So decode rows are never starved by long prompts, and no step computes more
 than the budget.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.kv_blocks import KVCacheManager, extend_keys
+from coordinator.kv_blocks import KVCacheManager, chain_keys, extend_keys
 from coordinator.request import Request
 from coordinator.schedule.persistent_batch import PersistentBatch
 from coordinator.schedule.slot_table import SlotTable
@@ -97,13 +100,27 @@ class Scheduler:
         self.alive = set(range(num_workers))
         self.num_preemptions = 0
         self.admits = admits
+        self._held: list[Request] | None = None
 
     @property
     def num_workers(self) -> int:
         return len(self.load)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self._held is not None:
+            self._held.append(request)
+        else:
+            self.waiting.append(request)
+
+    def hold(self) -> None:
+        """Keep the requests added from now on out of the queue until ``release_held`` (one submitted batch)."""
+        self._held = []
+
+    def release_held(self, order: Callable[[list[Request]], Sequence[int]] | None = None) -> None:
+        """Queue the held requests, in ``order`` (indices into them) or as they came."""
+        held, self._held = self._held or [], None
+        indices = order(held) if order is not None and len(held) > 1 else range(len(held))
+        self.waiting.extend(held[i] for i in indices)
 
     def remove_waiting(self, request_id: str) -> Request | None:
         for request in self.waiting:
@@ -201,7 +218,14 @@ class Scheduler:
                 continue  # suspects of an engine failure run apart from everyone else
             if request.request_id in preempted_ids or not request.admissible():
                 break
-            owner = self._pinned_owner(request) if request.pinned_owner is not None else picker.pick()
+            salt = request.cache_salt(self.kv.prefix_caching)
+            keys = None
+            if request.pinned_owner is not None:
+                owner = self._pinned_owner(request)
+            else:
+                if salt is not None and len(self.alive) > 1 and request.kv is None:
+                    keys = chain_keys(request.all_token_ids(), self.kv.block_size, salt)
+                owner = picker.pick(keys)
             if owner is None:
                 break
             if request.kv is None or request.kv_owner != owner:
@@ -209,7 +233,7 @@ class Scheduler:
                 self.drop_kv(request)
                 if held_by is not None:
                     picker.touched(held_by)  # its blocks came free
-                request.kv = self.kv.start(owner, request.all_token_ids(), request.cache_salt(self.kv.prefix_caching))
+                request.kv = self.kv.start(owner, request.all_token_ids(), salt, keys)
                 request.kv_owner = owner
             request.owner = owner
             chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget))
@@ -395,9 +419,18 @@ class Scheduler:
         return owner if owner in self.alive and self.load[owner] < self.rows_per_worker else None
 
 
+# A worker holding a request's prefix takes it while running at most this share of its rows (and at
+# least two rows) more than the least loaded one: a document's few questions stay together, and one
+# system prompt shared by every request still spreads over every worker.
+AFFINITY_SLACK = 0.5
+
+
 class LeastLoaded:
     """The owner of a request without a pinned one: the least loaded live worker with a free row
-    (fewest running requests, then most free blocks, then the lowest id), from a heap.
+    (fewest running requests, then most free blocks, then the lowest id), from a heap; or, for a
+    request whose prompt starts with blocks another worker holds (cached, or being computed this
+    step), that worker while it is not much busier (``AFFINITY_SLACK``): a document's questions
+    then share one copy of it instead of each worker computing its own.
 
     A step that admits a wave asks for an owner once per request, and a scan costs O(workers)
     each time (a 64-worker engine admitting 4,096 rows: 260,000 visits). Keys are (running
@@ -418,7 +451,25 @@ class LeastLoaded:
         if worker in self.scheduler.alive:
             heapq.heappush(self.heap, self._key(worker))
 
-    def pick(self) -> int | None:
+    def pick(self, keys: Sequence[bytes] | None = None) -> int | None:
+        """``keys``: the request's prefix keys (``chain_keys``), for affinity; None: least loaded only."""
+        least = self._least()
+        if least is None or not keys:
+            return least
+        scheduler = self.scheduler
+        load, pools, limit = scheduler.load, scheduler.kv.pools, scheduler.rows_per_worker
+        ceiling = min(limit - 1, load[least] + max(2, int(AFFINITY_SLACK * limit)))
+        room = len(keys) + 1  # blocks for the whole prompt, hits aside: a worker short of them keeps no request waiting
+        best, best_hits = least, pools[least].count_hits(keys)
+        for worker in sorted(scheduler.alive):
+            if (worker != least and load[worker] <= ceiling and keys[0] in pools[worker].index
+                    and pools[worker].num_free >= room):
+                hits = pools[worker].count_hits(keys)
+                if hits > best_hits:
+                    best, best_hits = worker, hits
+        return best
+
+    def _least(self) -> int | None:
         limit = self.scheduler.rows_per_worker
         while self.heap:
             key = self.heap[0]

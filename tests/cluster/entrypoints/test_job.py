@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,8 +147,11 @@ def test_ctrl_c_or_sigterm_stops_cleanly_and_says_rerunning_resumes(tmp_path, si
     config["scheduler"]["max_num_seqs"] = 2
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     total = 100  # enough that the signal lands mid-run however fast the engine is (two rows at a time)
-    lines = [json.dumps({"id": i, "prompt": f"request {i}", "sampling_params": {"seed": i, "max_tokens": 12}})
-             for i in range(total)]
+    # 25 documents asked 4 questions each, question by question: the job submits each document's questions
+    # together (input.group_by_prefix), so the signal lands mid-group, and the resume completes the groups.
+    docs = [[3 + (7 * d + k) % 500 for k in range(48)] for d in range(25)]
+    lines = [json.dumps({"id": i, "prompt_token_ids": docs[i % 25] + [5, 6, 7, i],
+                         "sampling_params": {"seed": i, "max_tokens": 12}}) for i in range(total)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
     args = ["generate", "--config", str(tmp_path / "c.yaml"), "--input", str(tmp_path / "in.jsonl"),
@@ -166,3 +170,6 @@ def test_ctrl_c_or_sigterm_stops_cleanly_and_says_rerunning_resumes(tmp_path, si
     resumed = run_cli(*args, module=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert sorted(r["id"] for r in records(output)) == list(range(total))
+    summary = next(line for line in resumed.stdout.splitlines() if line.startswith("[raysample] prompt tokens:"))
+    computed, given = (int(n) for n in re.findall(r"(\d+) computed of (\d+) given", summary)[0])
+    assert computed < 0.6 * given and "found in the prefix cache" in summary, summary  # each document about once
