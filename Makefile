@@ -21,11 +21,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.
-# Two passes (tests/conftest.py): the tests without Ray on two xdist workers, then the Ray tests one at a time.
+# Two xdist workers, each test module whole on one, the Ray modules first (tests/conftest.py).
 test: $(STAMP)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m "not ray" -n 2 --dist loadgroup; first=$$?; \
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -m ray; second=$$?; \
-	test $$first -eq 0 -a $$second -eq 0
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadgroup
 
 # The main job on the embedded default: the real chat model (SmolLM2-135M-Instruct), 2 CPU workers on a private Ray instance.
 run: $(STAMP)

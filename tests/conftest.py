@@ -1,9 +1,9 @@
-"""``make test`` runs the suite in two passes: every test that does not start or join a Ray cluster on two
-pytest-xdist workers (``-m "not ray"``, each module whole on one worker, so its fixtures are built once),
-then the Ray tests (marked ``ray``, or in tests/cluster/ray) one after another, alone on the machine, as a
-plain ``pytest`` runs everything. Run beside the other tests, the jobs of test_ray_job.py's ``ray start
---head`` failed (no job agent, a rejected auth token), which they never do alone or on a loaded machine:
-not understood yet, so the Ray tests keep the machine to themselves."""
+"""``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): each module whole on one
+worker, so its fixtures are built once, and the modules that start Ray first, so the short tests fill the
+cores around them. Ray tests may run beside each other: every private instance is started with
+``address="local"`` (a bare ``ray.init()`` joins whichever cluster this host started last), and the
+``ray start --head`` of test_ray_job.py takes ports of its own and stops only its own processes. The ``ray``
+marker (``-m "not ray"``) selects the tests without a cluster."""
 
 import os
 import sys
@@ -16,7 +16,7 @@ RAY_FOLDER = "tests/cluster/ray/"  # every test in it is on Ray
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "ray: starts or joins a Ray cluster (make test runs these one at a time)")
+    config.addinivalue_line("markers", "ray: starts or joins a Ray cluster")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects and xdist reads the groups into the test ids
