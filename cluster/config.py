@@ -90,6 +90,14 @@ class ModelSection(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Benchmarks and capacity planning: no weights, a modelled step time (see SimulateSection).
     simulate: SimulateSection | None = None
+    # vLLM's --served-model-name: the names a run-batch line's "model" may give (one name or a list;
+    # default: the model as configured); responses carry the first. Another name gets vLLM's 404 record.
+    served_model_name: list[str] | None = None
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -102,6 +110,11 @@ class ModelSection(_Section):
 
     def display_name(self) -> str:
         return self.path or self.preset or f"tiny-{self.tiny}"
+
+    def served_names(self) -> list[str]:
+        """The names a run-batch line's ``model`` may give (vLLM's ``--served-model-name``; default: the
+        model as configured); responses carry the first."""
+        return list(self.served_model_name or [self.display_name()])
 
     def gguf(self) -> Path | None:
         """The GGUF file this source names, if it names one."""

@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                          ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"}),
                          ("--job-name", {"default": None})):
         batch.add_argument(flag, **kwargs)
-    batch.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None)
+    batch.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
+                       help="ranks per worker (model.tensor_parallel_size)")
+    batch.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the names a line's body.model may give (model.served_model_name; default: the model "
+                            "as configured); another gets vLLM's 404 record")
     return parser
 
 
@@ -204,6 +208,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.tensor_parallel_size is not None:
             config = config.model_copy(update={"model": config.model.model_copy(
                 update={"tensor_parallel_size": args.tensor_parallel_size})})
+        if getattr(args, "served_model_name", None):
+            config = config.model_copy(update={"model": config.model.model_copy(
+                update={"served_model_name": args.served_model_name})})
         check_job_paths(args.input, args.output, args.config)
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)

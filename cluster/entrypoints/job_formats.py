@@ -79,7 +79,7 @@ class GenerateFormat:
         rid, num_logprobs = context
         return result_record(rid, out, num_logprobs)
 
-    def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
+    def error(self, rid: Any, line_no: int, message: str, status_code: int = 400) -> dict[str, Any]:
         return error_record(rid, line_no, message)
 
     def written(self, path: Path) -> Written:
@@ -105,14 +105,16 @@ class OpenAIBatchFormat(GenerateFormat):
             request = parse_batch_line(line, self.tokenizer(), self.config.defaults, self.limits())
         except BatchLineError as exc:
             raise BadLine(str(exc)) from None
+        if request.model is not None and request.model not in self.config.model.served_names():
+            # vLLM's answer to a model it does not serve (OpenAIServing._check_model)
+            raise BadLine(f"The model `{request.model}` does not exist.", status_code=404)
         return request.custom_id, request, request.prompt, request.params
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
-        name = self.config.model.display_name()
-        return response_line(context, out, name)
+        return response_line(context, out, self.config.model.served_names()[0])
 
-    def error(self, rid: Any, line_no: int, message: str) -> dict[str, Any]:
-        return error_line(rid if isinstance(rid, str) else None, message, line_no)
+    def error(self, rid: Any, line_no: int, message: str, status_code: int = 400) -> dict[str, Any]:
+        return error_line(rid if isinstance(rid, str) else None, message, line_no, status_code)
 
 
 def peek_key(fmt: GenerateFormat, raw: bytes | OversizedLine) -> str | None:

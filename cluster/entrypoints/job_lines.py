@@ -32,7 +32,12 @@ def engine_request_id(key: str) -> str:
 
 
 class BadLine(ValueError):
-    """One input line cannot become a request; the job records it and goes on."""
+    """One input line cannot become a request; the job records it and goes on. ``status_code``: the HTTP
+    status an OpenAI batch record gives it (vLLM's)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
             sink.write(json.dumps(record, ensure_ascii=False) + "\n")
             sink.flush()
 
-        def reject(rid: Any, line_no: int, digest: str, message: str) -> None:
-            write(fmt.error(rid, line_no, message), digest)
+        def reject(rid: Any, line_no: int, digest: str, message: str, status_code: int = 400) -> None:
+            write(fmt.error(rid, line_no, message, status_code), digest)
             counters.errors += 1
             progress.advance()
 
@@ -73,7 +73,7 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
             try:
                 rid, context, prompt, params = fmt.parse(decode_line(raw))
             except BadLine as exc:
-                reject(shown_id, line_no, digest, str(exc))
+                reject(shown_id, line_no, digest, str(exc), exc.status_code)
                 return None
             return Parsed(rid, context, prompt, params, digest, len(raw))
 

@@ -36,6 +36,8 @@ LINES = [
                                                               "json_schema": {"name": "x", "schema": SCHEMA}}}),
     line("tools", CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
     line("bad-url", "/v1/embeddings", {"input": "x"}),
+    line("other-model", CHAT, {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "messages": [{"role": "user",
+                                                                                              "content": "Hi"}]}),
     line("bad-param", COMPLETIONS, {"prompt": "x", "temperature": -3}),
     "not json at all",
 ]
@@ -52,13 +54,17 @@ def run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def test_run_batch_chat_completions_errors_and_resume(tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(LINES) + "\n")
-    proc = run(tmp_path)
+    proc = run(tmp_path, "--served-model-name", "tiny", "tiny-default")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     by_id = {r["custom_id"]: r for r in records if r["custom_id"] is not None}
     assert len(records) == len(LINES) and len(by_id) == len(LINES) - 1  # the non-JSON line has no custom_id
     n2 = by_id["chat-n2"]["response"]
-    assert n2["status_code"] == 200 and n2["body"]["object"] == "chat.completion"
+    assert n2["status_code"] == 200 and n2["body"]["object"] == "chat.completion" and n2["body"]["model"] == "tiny"
+    # A model this job does not serve: vLLM's 404 record, not an answer from another model under its name.
+    other = by_id["other-model"]
+    assert other["response"]["status_code"] == 404 and other["response"]["body"] is None
+    assert other["error"] == "The model `meta-llama/Meta-Llama-3-8B-Instruct` does not exist."
     assert [c["index"] for c in n2["body"]["choices"]] == [0, 1]
     assert all(c["message"]["role"] == "assistant" for c in n2["body"]["choices"])
     usage = n2["body"]["usage"]
@@ -76,6 +82,6 @@ def test_run_batch_chat_completions_errors_and_resume(tmp_path):
     bad_json = next(r for r in records if r["custom_id"] is None)
     assert bad_json["response"]["status_code"] == 400 and "not valid JSON" in bad_json["error"]
 
-    again = run(tmp_path)  # finished: resume adds nothing
+    again = run(tmp_path, "--served-model-name", "tiny")  # finished: resume adds nothing
     assert again.returncode == 0
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == len(LINES)
