@@ -215,6 +215,7 @@ class Processor:
         config = self.config
         in_actor = engine_in_actor(config)
         if ray.is_initialized():
+            config = leave_room_for_ray_data(config, ray.cluster_resources().get("CPU", 0.0))
             if in_actor:  # the actors hold the workers: their KV budgets are planned here, for all of them
                 from cluster.ray.memory_on_ray import plan_on_ray
 
@@ -238,6 +239,31 @@ class Processor:
             memory=cluster.memory_per_worker if in_actor else None,
         )
         return dataset
+
+
+# Ray Data's own read and write tasks ask for a CPU each: the engines' workers leave at least this many.
+RAY_DATA_CPUS = 1.0
+
+
+def leave_room_for_ray_data(config: RaysampleConfig, cluster_cpus: float) -> RaysampleConfig:
+    """The engines' workers hold their CPUs until the dataset is written: on a cluster they would fill (2
+    CPUs, 2 workers of 1), Ray Data's write task never got a CPU and the dataset hung after its last
+    generation. There each worker asks for an equal share of what leaves Ray Data one CPU, and one line
+    says so; a cluster without even that is refused at once."""
+    cluster = config.cluster
+    ranks = cluster.num_engines * cluster.num_workers * config.model.tensor_parallel_size
+    if cluster.gpus_per_worker > 0 or ranks * cluster.cpus_per_worker + RAY_DATA_CPUS <= cluster_cpus:
+        return config
+    share = (cluster_cpus - RAY_DATA_CPUS) / ranks
+    if share < 0.01:
+        raise RuntimeError(f"the Ray cluster has {cluster_cpus:g} CPU: Ray Data needs {RAY_DATA_CPUS:g} for its read "
+                           f"and write tasks beside the engines' {ranks} worker(s); start Ray with more "
+                           "(ray.init(num_cpus=...)) or run fewer workers (cluster.num_workers, cluster.num_engines)")
+    share = int(share * 100) / 100
+    print(f"[raysample] Ray Data: the cluster has {cluster_cpus:g} CPUs; the engines' {ranks} worker(s) ask for "
+          f"{share:g} CPU each (cluster.cpus_per_worker was {cluster.cpus_per_worker:g}), leaving "
+          f"{RAY_DATA_CPUS:g} for Ray Data's read and write tasks", flush=True)
+    return config.model_copy(update={"cluster": cluster.model_copy(update={"cpus_per_worker": share})})
 
 
 def build_processor(config: RaysampleConfig | dict[str, Any] | str | Path,
