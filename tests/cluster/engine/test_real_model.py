@@ -142,10 +142,10 @@ def test_structured_outputs_are_valid_and_complete(default_engine):
 def test_run_batch_records_on_the_real_model(default_engine, tmp_path):
     lines = [json.dumps(line) for line in (
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "body": {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                   "max_completion_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2}},
         {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.7,
+         "body": {"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.7,
                   "seed": 1, "n": 2, "stop": ["."]}},
     )]
     records = run_lines(default_engine, lines, tmp_path, OpenAIBatchFormat)
@@ -153,6 +153,7 @@ def test_run_batch_records_on_the_real_model(default_engine, tmp_path):
     assert chat["status_code"] == 200 and records["chat"]["error"] is None
     body = chat["body"]
     assert body["object"] == "chat.completion" and "Paris" in body["choices"][0]["message"]["content"]
+    assert body["model"] == "smollm2-135m-instruct"  # the name served: the model as configured
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
     # The EOS token has a logprob too (as in vLLM); the message text leaves it out.
