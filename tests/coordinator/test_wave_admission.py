@@ -2,7 +2,7 @@
 or O(rows x columns) in Python, and decides exactly what the per-row code decided.
 
 - ``RowColumns`` applies a BatchUpdate column by column; here against the row-by-row reference.
-- ``LeastLoaded`` picks the admission owner from a heap; here against a scan of every worker.
+- ``OwnerPicker`` picks the admission owner from a heap; here against a scan of every worker.
 - A worker applies the BatchUpdate to its processors while its forward runs: sampling sees the
   same state, and the profile counts that CPU as overlapped.
 """
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from cluster.engine.step_profile import StepProfile
 from coordinator.kv_blocks import KVCacheManager
-from coordinator.schedule.scheduler import LeastLoaded, Scheduler
+from coordinator.schedule.owner_choice import OwnerPicker
+from coordinator.schedule.scheduler import Scheduler
 from processors import BatchUpdate, MoveDirectionality, SamplingParams
 from processors.row_columns import RowColumns
 from workers.wire import StepResult
@@ -115,7 +116,7 @@ def test_the_owner_heap_picks_what_the_scan_picks(workers, limit, dead, start_lo
     for w in range(workers):
         s.load[w] = min(start_load[w], limit)
         held[w] = s.kv.pools[w].allocate(start_used[w])
-    picker = LeastLoaded(s)
+    picker = OwnerPicker(s)
     assert picker.pick() == least_loaded_by_scan(s)
     for worker, change, count in steps:
         worker %= workers
