@@ -51,9 +51,3 @@ def prefix_order(prompts: Sequence[Any]) -> list[int]:
         path.append(index)
         paths.append(path)
     return sorted(range(len(prompts)), key=paths.__getitem__)
-
-
-def affinity_key(prompt: Any) -> bytes | None:
-    """The key of the prompt's first chunk: requests that share it share a prefix worth routing together."""
-    keys = chunk_keys(prompt, max_chunks=1)
-    return keys[0] if keys else None
