@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -118,22 +119,30 @@ class DecodeInputs:
         if self._copied is not None:  # the previous step's copy may still be queued behind the GPU's work
             self._copied.synchronize()
         ids, positions, slots, tables = self._host_views
-        ids[:size] = 0
-        positions[:size] = 0
+        count = len(rows)
+        lengths = np.fromiter((len(r.token_ids) for r in rows), dtype=np.int64, count=count)
+        starts = np.fromiter((r.start_pos for r in rows), dtype=np.int64, count=count)
+        logits = np.fromiter((r.num_logits for r in rows), dtype=np.int64, count=count)
+        tokens = int(lengths.sum())
+        ends = np.cumsum(lengths)
+        # Whole-step array work, not a loop per row: this runs on the host before every replay.
+        ids[:tokens] = np.fromiter(chain.from_iterable(r.token_ids for r in rows), dtype=np.int64, count=tokens)
+        ids[tokens:size] = 0
+        positions[:tokens] = np.arange(tokens) + np.repeat(starts - (ends - lengths), lengths)
+        positions[tokens:size] = 0
+        needed = (starts + lengths - 1) // block_size + 1
+        blocks = np.fromiter(chain.from_iterable(r.block_table[:n] for r, n in zip(rows, needed.tolist())),
+                             dtype=np.int64, count=int(needed.sum()))
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= pad_block):  # real and spare blocks lie below it
+            raise ValueError("a K/V block id is out of the cache's range")
         tables[:size] = pad_block
-        keep: list[int] = []
-        q = 0
-        for row in rows:
-            n = len(row.token_ids)
-            needed = (row.start_pos + n - 1) // block_size + 1
-            blocks = row.block_table[:needed]
-            if min(blocks) < 0 or max(blocks) >= pad_block:  # real and spare blocks lie below the padding one
-                raise ValueError("a K/V block id is out of the cache's range")
-            ids[q : q + n] = row.token_ids
-            positions[q : q + n] = np.arange(row.start_pos, row.start_pos + n)
-            tables[q : q + n, :needed] = blocks
-            keep.extend(range(q + n - row.num_logits, q + n))
-            q += n
+        if count:
+            width = int(needed.max())
+            own = np.full((count, width), pad_block, dtype=np.int64)
+            own[np.arange(width) < needed[:, None]] = blocks
+            tables[:tokens, :width] = np.repeat(own, lengths, axis=0)
+        kept = int(logits.sum())
+        keep = (np.repeat(ends - logits, logits) + np.arange(kept) - np.repeat(np.cumsum(logits) - logits, logits))
         pos = positions[:size]
         block = tables[np.arange(size), pos // block_size]
         heads = np.arange(self.kv_heads)[:, None]  # head-major: (kv_heads, rows), as the attention writes them
@@ -142,7 +151,7 @@ class DecodeInputs:
         if self.device_buffer.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return keep
+        return keep.tolist()
 
 
 class StaticDecoder:
