@@ -11,7 +11,11 @@ bounded (see ``GUMBEL_MIN``/``GUMBEL_MAX``), so a token more than
 ``GUMBEL_SPAN`` below its row's maximum can never win: rows where few tokens
 are within that span (any row after top-k, top-p or min-p, and peaked rows)
 get noise only for those tokens; other rows are processed densely in
-cache-sized chunks with in-place integer ops.
+cache-sized chunks with in-place integer ops. On a GPU every row is processed
+densely in one pass: choosing the sparse rows needs the counts on the host (a
+sync per chunk), and the noise of a whole batch is a few elementwise kernels
+there. Both ways add the same noise to the same logits, so the tokens are the
+same.
 """
 
 from __future__ import annotations
@@ -33,8 +37,13 @@ _SCALE = 1.0 / (1 << _BITS)
 GUMBEL_MAX = -math.log(-math.log1p(-(2.0**-24)))  # ~16.64
 GUMBEL_MIN = -math.log(24 * math.log(2))  # ~-2.81
 GUMBEL_SPAN = GUMBEL_MAX - GUMBEL_MIN + 0.05  # margin for float32 rounding
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 4 << 20  # on CPU: the int64 noise of a chunk stays in cache
+_DEVICE_CHUNK_BYTES = 1 << 30  # on a GPU: one pass for any batch that is not huge
 _SPARSE_FRACTION = 0.125
+
+
+def _chunk_bytes(device: torch.device) -> int:
+    return _CHUNK_BYTES if device.type == "cpu" else _DEVICE_CHUNK_BYTES
 
 
 def _xor_shift_(h: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
@@ -93,7 +102,7 @@ def gumbel(base: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def _dense_argmax(logits: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     golden_ids = torch.arange(vocab, device=logits.device, dtype=torch.int64).mul_(_GOLDEN)
-    chunk = max(1, _CHUNK_BYTES // (8 * vocab))
+    chunk = max(1, _chunk_bytes(logits.device) // (8 * vocab))
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
@@ -114,10 +123,15 @@ def _sparse_argmax(logits: torch.Tensor, base: torch.Tensor, candidates: torch.T
     return out.scatter_reduce_(0, r[winner], t[winner], "amin")
 
 
-def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """Fills ``row_max`` (rows, 1) with each row's maximum; a row where it is not finite gets token 0."""
+def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor, row_max: torch.Tensor,
+                  dense: bool = False) -> torch.Tensor:
+    """Fills ``row_max`` (rows, 1) with each row's maximum; a row where it is not finite gets token 0.
+    ``dense``: every row through the dense pass, with no host sync (the GPU's way)."""
     rows, vocab = logits.shape
     torch.amax(logits, dim=-1, keepdim=True, out=row_max)
+    if dense:
+        out = _dense_argmax(logits, base)
+        return out.masked_fill_(~torch.isfinite(row_max.squeeze(1)), 0)
     candidates = logits >= row_max - GUMBEL_SPAN
     counts = candidates.view(torch.uint8).sum(dim=-1, dtype=torch.int32)
     sparse = counts <= max(1, int(vocab * _SPARSE_FRACTION))
@@ -132,20 +146,22 @@ def _argmax_chunk(logits: torch.Tensor, base: torch.Tensor, row_max: torch.Tenso
 
 
 def gumbel_argmax(logits: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
-                  row_max: torch.Tensor | None = None) -> torch.Tensor:
+                  row_max: torch.Tensor | None = None, dense: bool | None = None) -> torch.Tensor:
     """argmax(logits + Gumbel(base, token id)) per row: an exact sample of softmax(logits).
 
     ``rows`` (local indices) picks the rows to sample, ``base`` has one entry
     per picked row. ``row_max``, if given (one float32 per picked row), receives each row's
     maximum logit, computed here anyway: NaN, +inf or -inf exactly when the row has a NaN, a +inf
     or every token masked. Such a row returns token 0 (the caller fails its request).
+    ``dense``: skip the sparse rows' shortcut (default: on a GPU); the tokens are the same either way.
     """
     n = logits.shape[0] if rows is None else rows.numel()
-    step = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
+    dense = logits.device.type != "cpu" if dense is None else dense
+    step = max(1, _chunk_bytes(logits.device) // (4 * logits.shape[1]))
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     maxima = row_max.view(n, 1) if row_max is not None else torch.empty(n, 1, dtype=logits.dtype, device=logits.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
         chunk = logits[start:stop] if rows is None else logits.index_select(0, rows[start:stop])
-        out[start:stop] = _argmax_chunk(chunk, base[start:stop], maxima[start:stop])
+        out[start:stop] = _argmax_chunk(chunk, base[start:stop], maxima[start:stop], dense)
     return out
