@@ -12,10 +12,13 @@ In-process engines, one GPU worker, bfloat16, 64 sequences:
    (the GPU's default) and graphs synchronous:
    - generated tokens/s on ``--requests`` requests of 16..``--max-tokens`` tokens, greedy and
      seeded random, ignore_eos;
-   - a profile of 64 rows decoding: the GPU kernels' share of the wall time, and host launches
-     (kernels, graphs, copies) per step;
+   - a profile of 64 rows decoding: the GPU kernels' time against the steps' wall time (timed without
+     the profiler, whose hooks slow the host, and with it), and host launches (kernels, graphs,
+     copies) per step;
    - greedy agreement with transformers' eager bfloat16 forward by teacher forcing (as bench/gpu_check.py);
-3. how many requests kept their tokens, graphs against eager.
+3. how many requests kept their tokens, graphs against eager;
+4. with ``--ray``: the graphs engine as one Ray GPU worker actor (the default step), tokens/s and
+   tokens against the in-process one.
 """
 
 from __future__ import annotations
@@ -72,15 +75,26 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_decode(engine, prompts: list[list[int]], steps: int) -> str:
-    """Kernel share of wall time and host launches per step over ``steps`` decode steps of 64 rows."""
+def profile_decode(engine, prompts: list[list[int]], steps: int, seeded: bool = False,
+                   table: bool = False) -> str:
+    """Kernel share of wall time and host launches per step over ``steps`` decode steps of 64 rows
+    (greedy, or seeded random with top-p and top-k)."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 24, ignore_eos=True)
+    if seeded:
+        params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i, max_tokens=2 * steps + 24,
+                                 ignore_eos=True) for i in range(len(prompts))]
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 24, ignore_eos=True)
     ids = engine.submit_many(prompts, params, final_only=True)
     for _ in range(12):  # admission and prefill, then a few decode steps
         engine.step()
     sync()
+    start = time.perf_counter()  # the same steps' wall time without the profiler, whose per-op hooks slow the host
+    for _ in range(steps):
+        engine.step()
+    sync()
+    plain = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -96,8 +110,12 @@ def profile_decode(engine, prompts: list[list[int]], steps: int) -> str:
         if event.name in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC",
                           "cuLaunchKernel", "cuLaunchKernelEx"):
             launches += 1
-    return (f"{wall / steps * 1e3:.2f} ms a step, GPU kernels {kernel_us / 1e3 / steps:.2f} ms a step "
-            f"({kernel_us / 1e6 / wall:.0%}), {launches / steps:.0f} launches a step")
+    if table:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48),
+              flush=True)
+    return (f"{plain / steps * 1e3:.2f} ms a step ({wall / steps * 1e3:.2f} ms profiled), GPU kernels "
+            f"{kernel_us / 1e3 / steps:.2f} ms a step ({kernel_us / 1e6 / plain:.0%} of the step; "
+            f"{kernel_us / 1e6 / wall:.0%} of the profiled one), {launches / steps:.0f} launches a step")
 
 
 def main() -> int:
@@ -107,6 +125,11 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-shape", choices=["smollm2-shape", "smollm2", "tiny"])
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPU (graphs: the compiled proof)")
+    parser.add_argument("--skip-pipelined", action="store_true", help="leave out graphs with the pipelined step")
+    parser.add_argument("--skip-eager", action="store_true", help="leave out the eager engine")
+    parser.add_argument("--op-table", action="store_true", help="print the profiled host operators of each profile")
+    parser.add_argument("--ray", action="store_true",
+                        help="also the same engine (graphs, default step) as a Ray GPU worker actor, against in-process")
     args = parser.parse_args()
     if not (torch.cuda.is_available() or args.cpu):
         print("no CUDA device here: nothing to check (run this on a GPU machine)")
@@ -136,14 +159,26 @@ def main() -> int:
             for _ in range(args.requests)]
     profile_prompts = [[rng.randrange(10, top) for _ in range(32)] for _ in range(64)]
     outputs: dict[str, dict[str, list[list[int]]]] = {}
-    for name, eager, pipelined in (("eager, pipelined", True, True), ("graphs, pipelined", graphs, True),
-                                   ("graphs, synchronous", graphs, False)):
+    modes = [("eager, pipelined", True, True), ("graphs, pipelined", graphs, True), ("graphs, synchronous", graphs, False)]
+    if args.skip_pipelined:
+        modes.remove(modes[1])
+    if args.skip_eager:
+        modes.remove(modes[0])
+    if args.ray:
+        modes.append(("Ray, graphs, default step", graphs, None))
+    for name, eager, pipelined in modes:
         start = time.perf_counter()
-        engine = LocalEngine(engine_config(model, eager, pipelined))
-        runner = engine.workers[0].runner
-        captured = len(runner.static.graphs) if runner.static is not None else 0
-        print(f"{name}: engine built in {time.perf_counter() - start:.1f} s, {captured} CUDA graphs, "
-              f"{runner.num_blocks} KV blocks", flush=True)
+        if name.startswith("Ray"):
+            from cluster import Engine
+
+            engine = Engine.from_config(engine_config(model, eager, pipelined))
+            print(f"{name}: engine built in {time.perf_counter() - start:.1f} s", flush=True)
+        else:
+            engine = LocalEngine(engine_config(model, eager, pipelined))
+            runner = engine.workers[0].runner
+            captured = len(runner.static.graphs) if runner.static is not None else 0
+            print(f"{name}: engine built in {time.perf_counter() - start:.1f} s, {captured} CUDA graphs, "
+                  f"{runner.num_blocks} KV blocks", flush=True)
         greedy = engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=32))
         exact, worst = agreement(reference, chats, [o.token_ids for o in greedy])
         print(f"{name}: greedy vs transformers eager bfloat16: argmax at {exact:.1%} of positions, "
@@ -161,16 +196,21 @@ def main() -> int:
             print(f"{name}, {kind}: {count} tokens in {seconds:.2f} s = {count / seconds:.0f} tokens/s", flush=True)
             runs[kind] = tokens_of(done)
         outputs[name] = runs
-        print(f"{name}: profile of 64 rows decoding: {profile_decode(engine, profile_prompts, 24)}", flush=True)
+        if not name.startswith("Ray"):
+            for seeded in (False, True):
+                print(f"{name}: profile of 64 rows decoding, {'seeded random' if seeded else 'greedy'}: "
+                      f"{profile_decode(engine, profile_prompts, 24, seeded, args.op_table)}", flush=True)
         engine.shutdown()
-        del engine, runner
+        del engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    for name in ("graphs, pipelined", "graphs, synchronous"):
+    for name, against in (("graphs, pipelined", "eager, pipelined"), ("graphs, synchronous", "eager, pipelined"),
+                          ("Ray, graphs, default step", "graphs, synchronous")):
         for kind in ("greedy", "random"):
-            print(f"{name} vs eager, pipelined, {kind}: {same(outputs['eager, pipelined'][kind], outputs[name][kind])} "
-                  "requests token-identical", flush=True)
+            if name in outputs and against in outputs:
+                print(f"{name} vs {against}, {kind}: {same(outputs[against][kind], outputs[name][kind])} "
+                      "requests token-identical", flush=True)
     return 0
 
 
