@@ -127,6 +127,7 @@ class Coordinator:
             self.rows[request.request_id] = request
             self.outputs.register(request.request_id)
             if error is not None:
+                request.refused = True
                 request.finish(FinishReason.ERROR, error=error)
                 continue
             self.admission.compile_later(request)

@@ -88,6 +88,9 @@ class RequestOutput:
     # The error came from the engine (no worker left, a step failure no request alone explains),
     # not from the request: running it again may succeed, so a resumed job retries it.
     retryable: bool = False
+    # The request was refused when it was submitted (validation: a prompt too long, logprobs past the
+    # limit, a processor's validate_params), before it ran: vLLM's LLM.generate raises ValueError for these.
+    refused: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -157,6 +160,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     retryable: bool = False  # see RequestOutput.retryable
+    refused: bool = False  # see RequestOutput.refused
     owner: int | None = None  # worker holding its row
     kv: KVState | None = None
     kv_owner: int | None = None  # worker whose blocks ``kv`` names

@@ -44,7 +44,7 @@ UNSUPPORTED_FIELDS = {
     "best_of": "only n completions are generated, not best_of > n candidates ranked by logprob",
     "use_beam_search": "beam search is not implemented; use n > 1 with sampling",
     "beam_width": "beam search is not implemented; use n > 1 with sampling",
-    "prompt_logprobs": "prompt logprobs are not computed",
+    "prompt_logprobs": "prompt logprobs are not computed (logprobs gives the generated tokens' logprobs)",
     "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is an error",
     "logits_processors": "per-request callables do not cross processes; configure processors by class name",
     "output_kind": "outputs are cumulative with per-output deltas (new_text, new_token_ids)",
@@ -117,6 +117,15 @@ class SamplingParams:
     bad_words: list[str] | None = None
     thinking_token_budget: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's fields this engine does not implement (UNSUPPORTED_FIELDS): taken as vLLM's constructor takes
+    # them, so that a vLLM script gets a ValueError naming what is missing instead of a bare TypeError.
+    best_of: int | None = field(default=None, repr=False, compare=False)
+    use_beam_search: bool | None = field(default=None, repr=False, compare=False)
+    beam_width: int | None = field(default=None, repr=False, compare=False)
+    prompt_logprobs: int | None = field(default=None, repr=False, compare=False)
+    truncate_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
+    logits_processors: Any = field(default=None, repr=False, compare=False)
+    output_kind: Any = field(default=None, repr=False, compare=False)
 
     # Set by the engine at admission, never by users.
     _eos_token_id: int | None = field(default=None, repr=False, compare=False)
@@ -126,6 +135,11 @@ class SamplingParams:
     _child_index: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name, why in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value not in UNSUPPORTED_DEFAULTS.get(name, (None,)) and not (name == "best_of" and value == self.n):
+                raise ValueError(f"{name} is not supported: {why}.")
+            setattr(self, name, None)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
@@ -296,7 +310,7 @@ class SamplingParams:
         """User-settable fields that differ from the defaults, JSON-ready."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name.startswith("_"):
+            if f.name.startswith("_") or f.name in UNSUPPORTED_FIELDS:
                 continue
             value = getattr(self, f.name)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -315,7 +329,7 @@ class SamplingParams:
         """Build from plain data; unknown keys are an error naming them."""
         if not isinstance(data, dict):
             raise ValueError(f"sampling_params must be a mapping, got {type(data).__name__}.")
-        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.name not in UNSUPPORTED_FIELDS}
         aliases = {k: v for k, v in data.items() if k in GUIDED_ALIASES}
         if aliases:
             if "structured_outputs" in data:

@@ -8,19 +8,22 @@ does: prompts in any of vLLM's forms, one or one-per-prompt ``SamplingParams``,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from cluster.config import RaysampleConfig, resolve
-from cluster.engine.engine_api import RequestAPI
+from cluster.engine.engine_api import ProgressBar, RequestAPI
 from cluster.engine.prompts import Params, PromptInput, as_prompt_list, params_per_prompt
 from cluster.entrypoints.chat import load_tokenizer, render_chat
 from cluster.entrypoints.engine_factory import build_engine
 from cluster.entrypoints.llm_args import config_from_llm_args
-from coordinator.request import CompletionOutput, FinishReason, RequestOutput
+from coordinator.request import RequestOutput
 
 Conversation = list[dict[str, Any]]
+
+logger = logging.getLogger("raysample")
 
 
 def _refuse(name: str, value: Any, why: str) -> None:
@@ -68,7 +71,33 @@ class LLM(_EngineOwner):
                  priority: Any = None) -> list[RequestOutput]:
         _refuse("lora_request", lora_request, "LoRA adapters are not supported")
         _refuse("priority", priority, "requests are scheduled first come, first served")
-        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self._run(as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[Any], sampling_params: Params, use_tqdm: bool | Callable[..., Any]
+             ) -> list[RequestOutput]:
+        """Run to completion as vLLM's ``LLM`` does: a request refused at submission (a prompt too long for
+        the model, too many logprobs, a processor's ``validate_params``) raises its ValueError before any
+        output, and the others are aborted; a request that fails while running keeps its error in its
+        output, and one warning line counts them."""
+        ids = self.engine.submit_many(prompts, sampling_params, final_only=True)
+        early = {out.request_id: out for out in self.engine.poll(ids, 0.0, finished_only=True)}
+        refused = next((early[rid] for rid in ids if rid in early and early[rid].refused), None)
+        if refused is not None:
+            for rid in ids:
+                if rid not in early:
+                    self.engine.abort(rid)
+            raise ValueError(refused.error)
+        with ProgressBar(len(ids), use_tqdm) as bar:
+            for rid in ids:
+                if rid in early:
+                    bar.finished(early[rid])
+            final = {**early, **self.engine.results([rid for rid in ids if rid not in early], bar.finished)}
+        outputs = [final[rid] for rid in ids]
+        failed = [out for out in outputs if out.error is not None]
+        if failed:
+            logger.warning("%d of %d requests failed while running; each output's .error says why (the first: %s)",
+                           len(failed), len(outputs), failed[0].error)
+        return outputs
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: Params = None,
              use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
@@ -76,8 +105,8 @@ class LLM(_EngineOwner):
              continue_final_message: bool = False, tools: Any = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              mm_processor_kwargs: Any = None) -> list[RequestOutput]:
-        """One conversation (a list of ``{"role", "content"}``) or a list of them; a conversation that
-        cannot be rendered gets an error output of its own and the others run."""
+        """One conversation (a list of ``{"role", "content"}``) or a list of them. As in vLLM, a conversation
+        that cannot be rendered raises its ValueError before anything runs."""
         _refuse("lora_request", lora_request, "LoRA adapters are not supported")
         _refuse("tools", tools, "tool calling is not supported")
         _refuse("mm_processor_kwargs", mm_processor_kwargs, "multi-modal inputs are not supported")
@@ -91,12 +120,10 @@ class LLM(_EngineOwner):
                                            continue_final_message, chat_template))
             except ValueError as exc:
                 prompts.append(exc)
-        runnable = [i for i, p in enumerate(prompts) if not isinstance(p, ValueError)]
-        outs = (self.engine.generate([prompts[i] for i in runnable], [params[i] for i in runnable],
-                                     use_tqdm=use_tqdm) if runnable else [])
-        by_index = dict(zip(runnable, outs))
-        return [by_index[i] if i in by_index else _error_output(f"chat-{i}", str(prompts[i]))
-                for i in range(len(prompts))]
+        for rendered in prompts:
+            if isinstance(rendered, ValueError):  # vLLM raises for a conversation it cannot render
+                raise rendered
+        return self._run(prompts, params, use_tqdm)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError("beam search is not supported: raysample samples one token per row and step")
@@ -129,8 +156,3 @@ def _conversations(messages: Any) -> list[Any]:
     if isinstance(messages[0], (list, tuple)):
         return [list(m) if isinstance(m, (list, tuple)) else m for m in messages]
     return [list(messages)]
-
-
-def _error_output(request_id: str, error: str) -> RequestOutput:
-    completion = CompletionOutput(index=0, text="", token_ids=[], finish_reason=FinishReason.ERROR)
-    return RequestOutput(request_id, None, [], [completion], finished=True, error=error)

@@ -51,9 +51,10 @@ class Admission:
         bad = sorted({t for t in prompt_ids if not 0 <= t < vocab})
         if bad:
             return f"prompt has token id(s) {bad[:8]} outside the vocabulary [0, {vocab})"
-        if len(prompt_ids) >= limit:
-            return (f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
-                    "which leaves no room to generate")
+        if len(prompt_ids) >= limit:  # vLLM's words: a prompt needs room for at least one token after it
+            return (f"The decoder prompt (length {len(prompt_ids)}) plus the number of requested output tokens "
+                    f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
+                    "`max_model_len` (model.max_model_len) is no smaller than the number of text tokens.")
         config = self.config
         cap = vocab if config.max_logprobs == -1 else min(config.max_logprobs, vocab)
         if params.logprobs == -1:  # vLLM: the whole vocabulary

@@ -102,6 +102,7 @@ class OutputBuilder:
             finished=group.finished,
             error=errors[0] if errors else None,
             retryable=bool(errors) and all(c.retryable for c in group.children if c.error),
+            refused=first.refused,
             arrival_time=first.arrival_time,
             first_token_time=min(first_tokens) if first_tokens else None,
             finished_time=max(c.finished_time for c in group.children) if group.finished else None,

@@ -36,6 +36,12 @@ from processors import SamplingParams, SamplingType
         ({"temperature": 0.0, "n": 2}, "n must be 1 when using greedy sampling"),
         ({"seed": 1.5}, "seed must be an integer"),
         ({"extra_args": [1]}, "extra_args must be a mapping"),
+        # vLLM's fields raysample does not implement: a ValueError naming them, as the dict path gives
+        ({"prompt_logprobs": 1}, "^prompt_logprobs is not supported: prompt logprobs are not computed"),
+        ({"prompt_logprobs": 0}, "^prompt_logprobs is not supported"),
+        ({"best_of": 3, "n": 2, "temperature": 1.0}, "^best_of is not supported"),
+        ({"truncate_prompt_tokens": 8}, "^truncate_prompt_tokens is not supported: prompts are never truncated"),
+        ({"logits_processors": [print]}, "^logits_processors is not supported: per-request callables"),
     ],
 )
 def test_invalid_values_name_field_and_range(kwargs, message):
@@ -79,6 +85,14 @@ def test_pickle_and_dict_round_trip():
     as_json = json.loads(json.dumps(p.to_dict()))
     assert SamplingParams.from_dict(as_json) == p
     assert SamplingParams.from_dict({}) == SamplingParams()
+
+
+def test_vllms_unsupported_fields_at_their_defaults_pass_and_stay_out_of_the_dict():
+    p = SamplingParams(prompt_logprobs=None, best_of=2, n=2, temperature=1.0, logits_processors=[])
+    assert p == SamplingParams(n=2, temperature=1.0) and p.to_dict() == {"n": 2}
+    assert p.best_of is None and p.logits_processors is None
+    with pytest.raises(ValueError, match="^sampling_params.prompt_logprobs is not supported"):
+        SamplingParams.from_dict({"prompt_logprobs": 2})
 
 
 def test_from_dict_rejects_unknown_fields():

@@ -205,7 +205,7 @@ def test_bad_requests_fail_alone(engine):
         ],
     )
     errors = [o.error for o in outs]
-    assert "max_model_len is 192" in errors[0]
+    assert "longer than the maximum model length of 192" in errors[0]
     assert "logit_bias has token id(s) [1000000] outside the vocabulary" in errors[1]
     assert errors[2] is None and len(outs[2].token_ids) == 5
     assert errors[3] == "prompt is empty"

@@ -127,22 +127,53 @@ def test_progress_bar_counts_prompts_and_tokens(llm):
     assert len(bars) == 1
 
 
-def test_chat_renders_each_conversation_and_fails_only_the_bad_one(llm):
+def test_chat_renders_each_conversation_and_a_bad_one_raises_as_in_vllm(llm):
     tok = llm.get_tokenizer()
     hello = [{"role": "user", "content": "Hello"}]
     one, = llm.chat(hello, GREEDY, use_tqdm=False)
     want = tok.apply_chat_template(hello, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
     assert one.prompt_token_ids == list(want)
-    many = llm.chat([hello, [{"role": "user"}], [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False)
-    assert [o.error is None for o in many] == [True, False, True]
-    assert many[0].token_ids == one.token_ids
-    assert many[1].finish_reason == FinishReason.ERROR and "messages[0].content" in many[1].error
+    many = llm.chat([hello, [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False)
+    assert [o.error for o in many] == [None, None] and many[0].token_ids == one.token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content"):
+        llm.chat([hello, [{"role": "user"}], [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False)
+    assert all(r.finished for r in llm.engine.coordinator.rows.values())  # nothing was left running
     no_prompt, = llm.chat(hello + [{"role": "assistant", "content": "Hi"}], GREEDY, use_tqdm=False,
                           add_generation_prompt=False, continue_final_message=True)
     assert no_prompt.error is None and len(no_prompt.prompt_token_ids) > len(one.prompt_token_ids)
     with pytest.raises(TypeError, match="messages must be a conversation"):
         llm.chat("Hello")
+
+
+def test_what_vllm_refuses_at_submission_raises_and_runs_nothing(llm, caplog):
+    """vLLM's LLM.generate raises ValueError for a request it refuses when adding it, and aborts the ones
+    added before it; a request that fails while running keeps its error in its output, and one warning
+    line says how many did."""
+    ok = [1, 2, 3]
+    too_long = list(range(1, 129))  # max_model_len is 128: no room for one token after it
+    with pytest.raises(ValueError, match=r"^The decoder prompt \(length 128\) plus the number of requested output "
+                                         r"tokens \(at least 1\) is longer than the maximum model length of 128"):
+        llm.generate([{"prompt_token_ids": ok}, {"prompt_token_ids": too_long}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="^Requested sample logprobs of 50, which is greater than max allowed: 20"):
+        llm.generate(["a", "b"], [GREEDY, SamplingParams(max_tokens=3, logprobs=50)], use_tqdm=False)
+    with pytest.raises(ValueError, match="target_token must be a non-negative integer token id"):  # validate_params
+        llm.generate("a", SamplingParams(max_tokens=3, extra_args={"target_token": -4}), use_tqdm=False)
+    assert all(r.finished for r in llm.engine.coordinator.rows.values())  # the ones beside them were aborted
+    assert llm.generate({"prompt_token_ids": ok}, GREEDY, use_tqdm=False)[0].error is None
+
+    from cluster.entrypoints.llm import LLM as _LLM
+
+    failing = _LLM(TINY, local=True, max_model_len=64, logits_processors=["failing_processors:BoomAdapter"])
+    try:
+        with caplog.at_level("WARNING", logger="raysample"):
+            outs = failing.generate(["a", "b"], [GREEDY, SamplingParams(max_tokens=4, extra_args={"boom": "apply"})],
+                                    use_tqdm=False)
+    finally:
+        failing.shutdown()
+    assert outs[0].error is None and outs[1].finish_reason == FinishReason.ERROR and outs[1].error
+    warnings = [r.getMessage() for r in caplog.records if r.name == "raysample"]
+    assert len(warnings) == 1 and warnings[0].startswith("1 of 2 requests failed while running"), warnings
 
 
 def test_local_engine_and_engine_have_the_same_api():
