@@ -42,34 +42,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _run_options(command: argparse.ArgumentParser) -> None:
+    """The options ``generate`` and ``run-batch`` share, with their help."""
+    command.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
+    command.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
+    command.add_argument("--local", action="store_true", help="run the engine in this process instead of on Ray")
+    command.add_argument("--max-in-flight", type=positive_int, default=None,
+                         help="requests submitted ahead (default 2 x max_num_seqs)")
+    command.add_argument("--show", type=int, default=0, help="print the first N results")
+    command.add_argument("--log-every", type=float, default=10.0,
+                         help="seconds between progress lines when not on a terminal")
+    command.add_argument("--verbose", action="store_true",
+                         help="full tracebacks, and Ray's and the workers' own log lines")
+    command.add_argument("--job-name", default=None,
+                         help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
+    command.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
+                         help="ranks per worker, as vLLM's flag (overrides model.tensor_parallel_size)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raysample", description="Batch LLM generation on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for every line of a JSONL file")
-    gen.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
     gen.add_argument("--input", required=True, type=Path, help="JSON lines with id, prompt, sampling_params")
     gen.add_argument("--output", required=True, type=Path, help="JSON lines results; resumed if it exists")
-    gen.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
-    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of on Ray")
-    gen.add_argument("--max-in-flight", type=positive_int, default=None, help="requests submitted ahead (default 2 x max_num_seqs)")
-    gen.add_argument("--show", type=int, default=0, help="print the first N results")
-    gen.add_argument("--log-every", type=float, default=10.0, help="seconds between log lines when not on a terminal")
-    gen.add_argument("--verbose", action="store_true", help="full tracebacks")
-    gen.add_argument("--job-name", default=None,
-                     help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
-    gen.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
-                     help="ranks per worker, as vLLM's flag (overrides model.tensor_parallel_size)")
+    _run_options(gen)
     batch = sub.add_parser("run-batch", help="an OpenAI batch file (as vllm run-batch): chat and completions lines")
     batch.add_argument("-i", "--input-file", dest="input", required=True, type=Path, help="OpenAI batch JSONL")
     batch.add_argument("-o", "--output-file", dest="output", required=True, type=Path, help="results; resumed if it exists")
-    batch.add_argument("--config", required=True, type=Path, help="YAML config (see configs/)")
-    for flag, kwargs in (("--overwrite", {"action": "store_true"}), ("--local", {"action": "store_true"}),
-                         ("--max-in-flight", {"type": positive_int, "default": None}), ("--show", {"type": int, "default": 0}),
-                         ("--log-every", {"type": float, "default": 10.0}), ("--verbose", {"action": "store_true"}),
-                         ("--job-name", {"default": None})):
-        batch.add_argument(flag, **kwargs)
-    batch.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
-                       help="ranks per worker (model.tensor_parallel_size)")
+    _run_options(batch)
     batch.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the names a line's body.model may give (model.served_model_name; default: the model "
                             "as configured); another gets vLLM's 404 record")
@@ -300,6 +301,12 @@ def _run(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
+    if counters.first_errors:
+        shown = len(counters.first_errors)
+        print(f"[raysample] {'the first ' + str(shown) + ' of ' if shown < counters.errors else ''}"
+              f"{counters.errors} error(s), each a record with \"error\" in {args.output}:", flush=True)
+        for line in counters.first_errors:
+            print(f"[raysample]   {line}", flush=True)
     if counters.retryable:  # the engine failed them, not the requests: the caller should resume
         print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
               f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)

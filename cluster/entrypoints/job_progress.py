@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from cluster.config import RaysampleConfig
 
 
+SHOWN_ERRORS = 5  # error reasons the job's summary prints, with their line numbers
+
+
 @dataclass
 class JobCounters:
     total_lines: int
@@ -20,9 +23,17 @@ class JobCounters:
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     first_result: float | None = None
+    first_errors: list[str] = field(default_factory=list)  # "line N (id X): why", for the summary
 
     def rate(self) -> float:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+    def error(self, line_no: int, rid: object, reason: str) -> None:
+        """Count an error record; the first few are shown with their line numbers when the job ends."""
+        self.errors += 1
+        if len(self.first_errors) < SHOWN_ERRORS:
+            shown = reason if len(reason) <= 300 else reason[:297] + "..."
+            self.first_errors.append(f"line {line_no}" + ("" if rid is None else f" (id {rid!r})") + f": {shown}")
 
 
 def describe_start(config: RaysampleConfig, local: bool) -> str:

@@ -42,7 +42,7 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
 
         def reject(rid: Any, line_no: int, digest: str, message: str, status_code: int = 400) -> None:
             write(fmt.error(rid, line_no, message, status_code), digest)
-            counters.errors += 1
+            counters.error(line_no, rid, message)
             progress.advance()
 
         lines = input_lines(input_path, max_bytes)
@@ -75,7 +75,7 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
             except BadLine as exc:
                 reject(shown_id, line_no, digest, str(exc), exc.status_code)
                 return None
-            return Parsed(rid, context, prompt, params, digest, len(raw))
+            return Parsed(rid, context, prompt, params, digest, len(raw), line_no)
 
         def next_window() -> list[Parsed]:
             """The next lines to run, read ahead up to input.read_ahead_lines/_bytes, shared prefixes side by side."""
@@ -109,7 +109,8 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                 batch.append(ready.popleft())
             if batch:
                 requests = [(part_id, part, e.params, (line, i)) for e in batch
-                            for line in [InFlight(e.rid, e.context, e.digest, [None] * len(parts_of(e.prompt)))]
+                            for line in [InFlight(e.rid, e.context, e.digest, [None] * len(parts_of(e.prompt)),
+                                                  e.line_no)]
                             for i, (part_id, part) in enumerate(zip(part_ids(e.rid, e.prompt), parts_of(e.prompt)))]
                 ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
                                           [r[0] for r in requests], final_only=True)
@@ -132,7 +133,7 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                     counters.tokens += sum(len(o.token_ids) for o in outs)
                     out = failed or outs[0]
                     if out.error:
-                        counters.errors += 1
+                        counters.error(line.line_no, rid, out.error)
                     else:
                         counters.done += 1
                     if shown < show:
@@ -154,6 +155,7 @@ class Parsed:
     params: SamplingParams
     digest: str
     size: int
+    line_no: int
 
 
 @dataclass
@@ -164,6 +166,7 @@ class InFlight:
     context: Any
     digest: str
     outs: list[RequestOutput | None]
+    line_no: int
 
 
 def parts_of(prompt: Any) -> list[Any]:

@@ -14,9 +14,10 @@ class CoordinatorActor:
 
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
                  kv_note: str | None = None) -> None:
-        from cluster.quiet import quiet_libraries
+        from cluster.quiet import quiet_libraries, quiet_teardown
         from cluster.ray.step_loop import StepLoop
 
+        quiet_teardown()
         quiet_libraries()
         self.core = StepLoop(config, placement, workers, kv_note)
 

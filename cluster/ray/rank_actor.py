@@ -22,8 +22,9 @@ def device_of_actor() -> Any:
 
 def prepare_process(config: Any) -> Any:
     """Quiet libraries, size the CPU threads to this actor's share; returns its device."""
-    from cluster.quiet import quiet_libraries
+    from cluster.quiet import quiet_libraries, quiet_teardown
 
+    quiet_teardown()
     quiet_libraries()
     device = device_of_actor()
     if device.type == "cpu":

@@ -26,8 +26,23 @@ def ensure_ray(config: RaysampleConfig) -> None:
     """
     if ray.is_initialized():
         return
-    with callers_sigterm_handler():
+    with callers_sigterm_handler(), quiet_ray_start():
         _init(config)
+
+
+@contextmanager
+def quiet_ray_start() -> Iterator[None]:
+    """Ray's start-up lines (the token-authentication notice, "Started a local Ray instance") are not
+    the job's: they are shown only with ``--verbose`` (``RAYSAMPLE_VERBOSE``). Ray's logger is put back
+    afterwards, so warnings while the job runs still show."""
+    ray_logger = logging.getLogger("ray")
+    previous = ray_logger.level
+    if not os.environ.get("RAYSAMPLE_VERBOSE"):
+        ray_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ray_logger.setLevel(previous)
 
 
 @contextmanager
@@ -45,7 +60,8 @@ def callers_sigterm_handler() -> Iterator[None]:
 
 def _init(config: RaysampleConfig) -> None:
     cluster = config.cluster
-    kwargs: dict[str, Any] = {"namespace": cluster.namespace, "log_to_driver": True, "ignore_reinit_error": True}
+    kwargs: dict[str, Any] = {"namespace": cluster.namespace, "log_to_driver": True, "ignore_reinit_error": True,
+                              "logging_level": logging.getLogger("ray").getEffectiveLevel()}
     if cluster.address == "local" and os.environ.get("RAY_ADDRESS"):
         # Inside `ray job submit` (or any driver told where its cluster is): join that cluster.
         ray.init(**kwargs)

@@ -92,6 +92,17 @@ def test_generate_writes_results_and_error_records(job_files):
     assert all(r["timing"]["total_s"] >= 0 for r in by_id.values())
     assert "[raysample] summary:" in proc.stdout and "errors" in proc.stdout
     assert "requests, " in proc.stdout  # periodic progress lines when not on a terminal
+    # The summary names the first errors with their line numbers, in the order they were written.
+    lines = proc.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if "error(s), each a record with \"error\" in" in line)
+    assert lines[head].startswith(f"[raysample] the first 5 of {len(errors) + 1} error(s)"), lines[head]
+    shown = lines[head + 1 : head + 6]
+    written = [r for r in out if r.get("error") is not None][:5]
+    for record, line in zip(written, shown, strict=True):
+        assert re.match(r"\[raysample\]   line \d+", line), line
+        if record.get("line") is not None:  # a line refused before it ran names its line number too
+            assert line.startswith(f"[raysample]   line {record['line']}"), (record, line)
+    assert all(r["error"][:40] in line for r, line in zip(written, shown)), (written, shown)
 
 
 def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_files):

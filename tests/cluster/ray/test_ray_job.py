@@ -8,6 +8,7 @@ One head serves every test here.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import socket
@@ -124,6 +125,10 @@ def test_ray_job_submit_as_the_guide_shows_it(ray_head, tmp_path):
     full = run.stdout + run.stderr
     assert "Loading weights" not in full and "Tearing down compiled DAG" not in full  # quiet worker logs
     assert "[raysample] starting smollm2-135m-instruct on 2 worker(s)" in full and "the Ray job's cluster" in full
+    # make run's config prints four lines of its own (start, KV cache, summary, prompt tokens), nothing else.
+    job_lines = job_log_lines(run.stdout)
+    assert [line.split(":")[0].split(" ")[1] for line in job_lines] == ["starting", "engine", "summary", "prompt"], \
+        "\n".join(job_lines)
     records = {str(r["id"]): r for r in map(json.loads, output.read_text().splitlines())}
     assert set(records) == {*map(str, range(6)), "target"}
     assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
@@ -266,3 +271,15 @@ def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head,
         assert records[i]["error"] is None and records[i]["token_ids"] == want.outputs[0].token_ids, question
     assert "Paris" in records[0]["text"]
     assert "on 1 worker(s) x 3 tensor-parallel ranks of 1 CPU each" in run.stdout
+    # The job's own lines only: no Ray start-up notices, no lines from the engine's actors, nothing at exit.
+    job_lines = job_log_lines(run.stdout)
+    assert job_lines and all(line.startswith("[raysample] ") for line in job_lines), "\n".join(job_lines)
+
+
+def job_log_lines(stdout: str) -> list[str]:
+    """What the job printed: ``ray job submit``'s own lines taken out (its CLI's log records around the
+    tailed logs, and the job supervisor's two lines before the entrypoint starts)."""
+    framing = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\t[A-Z]+ (cli|job_manager)\.py:\d+ -- "
+                         r"|Running entrypoint for job )")
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in stdout.splitlines()]
+    return [line for line in plain if line.strip() and not framing.match(line)]
