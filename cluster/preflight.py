@@ -6,6 +6,8 @@ be converted or read, or a max_model_len past its limit, is one of those lines."
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 from cluster.config import ProcessorItem, RaysampleConfig, resolve
@@ -18,7 +20,7 @@ class PreflightError(ValueError):
 def preflight(config: RaysampleConfig, local: bool) -> RaysampleConfig:
     """The run's configuration, resolved once here (``config.facts``), once every check passed."""
     _check_processors(config)
-    _check_model_source(config)
+    check_model_source(config)
     _check_gpus(config, local)
     if local and config.cluster.num_engines > 1:
         raise PreflightError(local_engines_message(config))
@@ -77,23 +79,77 @@ def _check_processors(config: RaysampleConfig) -> None:
 
 
 def _shipping_hint(exc: Exception) -> str:
-    """Under ``ray job submit`` a package outside --working-dir is invisible unless the job ships it."""
+    """How to make a package that is not importable here reach the job: under ``ray job submit`` a package
+    outside --working-dir must be shipped with it; run as ``raysample`` (a console script), a package in the
+    current directory is not on the import path, though ``python -m cluster.entrypoints.job`` puts it there."""
     from cluster.job_paths import JOB_CONFIG_ENV
 
-    missing = isinstance(exc, ImportError) or isinstance(exc.__cause__, ImportError) or "No module named" in str(exc)
-    if not missing or JOB_CONFIG_ENV not in os.environ:
+    missing = _missing_module(exc)
+    if missing is None:
         return ""
-    return (" A package outside --working-dir must be shipped with the job: "
-            "--runtime-env-json '{\"py_modules\": [\"/path/to/my_package\"]}' or '{\"pip\": [\"my-package\"]}'")
+    if JOB_CONFIG_ENV in os.environ:
+        return (" A package outside --working-dir must be shipped with the job: "
+                "--runtime-env-json '{\"py_modules\": [\"/path/to/my_package\"]}' or '{\"pip\": [\"my-package\"]}'")
+    top = missing.split(".")[0]
+    here = Path.cwd()
+    on_path = any(Path(entry or ".").resolve() == here.resolve() for entry in sys.path)
+    if not on_path and ((here / top / "__init__.py").is_file() or (here / f"{top}.py").is_file()):
+        return (f" {top!r} is in the current directory, which the raysample command does not import from: run it "
+                f"as PYTHONPATH=$PWD raysample ..., or python -m cluster.entrypoints.job ..., or pip install it")
+    return ""
 
 
-def _check_model_source(config: RaysampleConfig) -> None:
-    """A model path that is plainly a file, not a folder or a hub id, is refused before anything is read."""
+def _missing_module(exc: BaseException) -> str | None:
+    """The module an import failure names (``No module named 'x'``), or None for another failure."""
+    for error in (exc, exc.__cause__):
+        if isinstance(error, ModuleNotFoundError) and error.name:
+            return error.name
+    match = re.search(r"No module named '([\w.]+)'", str(exc))
+    return match.group(1) if match else None
+
+
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "name" or "org/name", as the Hugging Face hub spells them
+
+
+def check_model_source(config: RaysampleConfig) -> None:
+    """A model path that is plainly not a folder or a hub id is refused before anything is read; a hub id
+    (the model's or the tokenizer's) that is not in the local Hugging Face cache while the hub cannot be
+    reached is refused in one line, instead of a minute of retries ending in the same error."""
     path = config.model.path
-    if path is None or config.model.gguf() is not None or Path(path).is_dir():
-        return
-    if path.startswith((".", "/", "~")) or Path(path).suffix:
-        raise PreflightError(f"model.path {path!r} is not a directory")
+    if path is not None and config.model.gguf() is None and not Path(path).expanduser().is_dir():
+        if path.startswith((".", "/", "~")) or Path(path).expanduser().is_file() or not HUB_ID.match(path):
+            raise PreflightError(f"model.path {path!r} is not a directory")
+        _check_hub_id("model.path", path, "config.json")
+    tokenizer = config.model.tokenizer
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir() and HUB_ID.match(tokenizer) \
+            and not tokenizer.startswith((".", "~")):
+        _check_hub_id("model.tokenizer", tokenizer, "tokenizer_config.json")
+
+
+def _check_hub_id(field: str, repo_id: str, probe_file: str) -> None:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, probe_file), str):
+        return  # offline mode reads the cache and says itself what is missing; a cached repo needs no network
+    reason = hub_unreachable(constants.ENDPOINT)
+    if reason is not None:
+        raise PreflightError(f"{field} {repo_id!r} is not a local directory and not in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}), and {constants.ENDPOINT} cannot be reached ({reason}): "
+                             "download it where the hub can be reached, or give a local directory")
+
+
+def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
+    """Why the hub's host cannot be reached (a name that does not resolve, a refused or silent port), or None."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def _resolved(config: RaysampleConfig) -> RaysampleConfig:

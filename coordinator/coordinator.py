@@ -410,9 +410,13 @@ class Coordinator:
         table = self.scheduler.table
         slots = decision.scheduled
         start, count = decision.start[slots], decision.num_tokens[slots]
-        prefill = start + 1 < table.total[slots]
-        self.metrics.prefill_tokens += int(count[prefill].sum())
-        for slot in slots[prefill | (start < table.prompt_len[slots])].tolist():
+        total, prompt_len = table.total[slots], table.prompt_len[slots]
+        prefill = start + 1 < total
+        # Every token fed but a generating row's last one (its decode token) is computed for the prompt (or
+        # recomputed): a one-token prompt, or a prompt the cache held all but the last token of, counts too.
+        decoding = (start + count == total) & (total > prompt_len)
+        self.metrics.prefill_tokens += int((count - decoding).sum())
+        for slot in slots[prefill | (start < prompt_len)].tolist():
             request = table.requests[slot]
             if request.child_index == 0 and decision.start[slot] + decision.num_tokens[slot] >= len(request.prompt_token_ids):
                 request.group.prompt_ready = True

@@ -22,6 +22,8 @@ with that id would; rows without one draw fresh randomness unless seeded.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -212,6 +214,7 @@ class Processor:
 
         from cluster.ray.ray_cluster import check_cluster_resources
 
+        quiet_ray_data()
         config = self.config
         in_actor = engine_in_actor(config)
         if ray.is_initialized():
@@ -239,6 +242,14 @@ class Processor:
             memory=cluster.memory_per_worker if in_actor else None,
         )
         return dataset
+
+
+def quiet_ray_data() -> None:
+    """Ray Data logs its plan and, away from a terminal, a progress record every few seconds per
+    operator: some 40 lines for 7 rows, 1,500 for a long job. Its warnings and errors still show;
+    ``RAYSAMPLE_VERBOSE=1`` keeps it all (its full log is in the Ray session's folder either way)."""
+    if not os.environ.get("RAYSAMPLE_VERBOSE"):
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 # Ray Data's own read and write tasks ask for a CPU each: the engines' workers leave at least this many.

@@ -145,6 +145,8 @@ def interrupted(exc: KeyboardInterrupt, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # huggingface_hub prints through a handler of its own and would print each line again through ours.
+    logging.getLogger("huggingface_hub").propagate = False
     handle_sigterm()
     args = build_parser().parse_args(argv)
     try:

@@ -77,3 +77,15 @@ def test_each_document_is_computed_once_in_question_major_order_and_no_token_cha
     by_document = sorted(range(len(prompts)), key=index.__getitem__)
     document_major, _ = run([prompts[i] for i in by_document], sorted(index), grouped=True, workers=workers)
     assert document_major == grouped
+
+
+def test_computed_prompt_tokens_count_every_prompt_token_the_engine_ran():
+    """The job's "prompt tokens: X computed of Y given" line: a one-token prompt is computed, not found in
+    the cache, and a prompt the cache held but for its last token computes that token."""
+    engine = LocalEngine({"model": {"tiny": "default", "max_model_len": 64}, "cache": {"block_size": 4}})
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate([[7]], greedy)
+    assert (engine.stats()["prompt_tokens"], engine.stats()["prefill_tokens"]) == (1, 1)
+    engine.generate([[5, 6, 7, 8, 9]], greedy)  # 5 more given, 5 computed
+    engine.generate([[5, 6, 7, 8, 9]], greedy)  # the first block (4 tokens) cached: only the last token computed
+    assert (engine.stats()["prompt_tokens"], engine.stats()["prefill_tokens"]) == (11, 7)

@@ -43,3 +43,67 @@ def test_bad_jobs_fail_fast_with_one_line(tmp_path, change, local, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
     assert elapsed < 10, elapsed
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_error_at_once(tmp_path, monkeypatch):
+    """A hub id (a dot in its name, as most have) not in the cache while the hub is out of reach: one line
+    now, from the job and from LLM alike, not a minute of retries printed twice each; one in the cache or
+    with the hub reachable passes the check."""
+    from huggingface_hub import constants
+
+    from cluster.config import load_config
+    from cluster.entrypoints.llm import LLM
+    from cluster.preflight import PreflightError, check_model_source, hub_unreachable
+
+    port = closed_port()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for config, field in (({"model": {"path": "some-org/Some-Model-1.5B"}}, "model.path"),
+                          ({"model": {"tiny": "default", "tokenizer": "some-org/tok.v2"}}, "model.tokenizer")):
+        with pytest.raises(PreflightError, match=f"^{field} 'some-org/.*' is not a local directory and not in "
+                                                 "the Hugging Face cache .* cannot be reached"):
+            check_model_source(load_config(config))
+    start = time.monotonic()
+    with pytest.raises(PreflightError, match="cannot be reached"):
+        LLM("some-org/Some-Model-1.5B", local=True)
+    assert time.monotonic() - start < 5
+    assert hub_unreachable(f"http://127.0.0.1:{port}") is not None
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline: transformers reads the cache and says what is missing
+    check_model_source(load_config({"model": {"path": "some-org/Some-Model-1.5B"}}))
+    with pytest.raises(PreflightError, match="is not a directory"):  # a file is not a model folder
+        check_model_source(load_config({"model": {"path": str(Path(__file__))}}))
+
+
+def closed_port() -> int:
+    """A local port nothing listens on."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_processor_package_in_the_current_directory_gets_the_hint_the_console_script_needs(tmp_path):
+    """``python -m cluster.entrypoints.job`` imports a package from the current directory; the ``raysample``
+    console script does not (its own folder is first on the import path, not the current one). Its error
+    says so and how to run it; the same job then runs with PYTHONPATH set."""
+    import os
+
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    (work / "myprocs").mkdir(parents=True)
+    bin_dir.mkdir()
+    (work / "myprocs" / "__init__.py").write_text("from processors.examples import DummyLogitsProcessor as Mine\n")
+    (work / "c.yaml").write_text("model: {tiny: default, max_model_len: 64}\nprocessors: ['myprocs:Mine']\n")
+    (work / "in.jsonl").write_text('{"id": 1, "prompt": "x", "sampling_params": {"max_tokens": 2}}\n')
+    script = bin_dir / "raysample"  # as pip writes a console script
+    script.write_text("import sys\nfrom cluster.entrypoints.job import cli\nsys.exit(cli())\n")
+    args = [sys.executable, str(script), "generate", "--config", "c.yaml", "--input", "in.jsonl", "--output",
+            "out.jsonl", "--local"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "'myprocs' is in the current directory, which the raysample command does not import from: run it as " \
+           "PYTHONPATH=$PWD raysample" in refused.stderr, refused.stderr[-2000:]
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{work}"
+    ran = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=120, env=env)
+    assert ran.returncode == 0 and (work / "out.jsonl").exists(), ran.stderr[-2000:]
