@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,24 @@ class EngineStage:
     """The Ray Data UDF: one raysample engine per actor, a batch of rows in, the same rows plus outputs out."""
 
     def __init__(self, config: dict[str, Any], preprocess: Callable[[Row], Row] | None = None,
-                 postprocess: Callable[[Row], Row] | None = None) -> None:
+                 postprocess: Callable[[Row], Row] | None = None, engine_prefix: str | None = None) -> None:
+        """``engine_prefix``: this dataset's engines are named with it (see ``Processor.__call__``)."""
         from cluster.quiet import quiet_libraries
 
         quiet_libraries()
-        self.config = resolve(config)  # the driver resolved it: the facts travel with it
+        config = resolve(config)  # the driver resolved it: the facts travel with it
+        if engine_prefix is not None:
+            name = f"{engine_prefix}-{uuid.uuid4().hex[:8]}"
+            config = config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
+        self.config = config
         self.preprocess, self.postprocess = preprocess, postprocess
         # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
         local = engine_in_actor(self.config)
         self.engine: Any = build_engine(self.config, local=local)
+        # Shut the engine down when Ray Data drops this object. It does not always get to: when the actor
+        # is let go without that, the engine's placement group (which belongs to the job, not to this
+        # actor) stays, and the driver releases it (``Processor.__call__``).
+        self._shutdown = weakref.finalize(self, _shut_down, self.engine)
         if local:
             self._tokenizer = self.engine.tokenizer
         else:
@@ -146,13 +156,13 @@ class EngineStage:
             return result
         return typed_like(pa.Table.from_pylist([self.postprocess(row) for row in result.to_pylist()]), result.schema)
 
-    def __del__(self) -> None:
-        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - the actor is going away either way
-                pass
+
+
+def _shut_down(engine: Any) -> None:
+    try:
+        engine.shutdown()
+    except Exception:  # noqa: BLE001 - the actor is going away either way
+        pass
 
 
 def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
@@ -217,6 +227,13 @@ class Processor:
         quiet_ray_data()
         config = self.config
         in_actor = engine_in_actor(config)
+        engine_prefix = None
+        if ray.is_initialized() and not in_actor:
+            from cluster.ray.ray_cluster import DATASET_ENGINE_PREFIXES, release_orphaned_placements
+
+            release_orphaned_placements(config.cluster.namespace)  # what earlier datasets' engines left held
+            engine_prefix = f"raysample-data-{uuid.uuid4().hex[:8]}"
+            DATASET_ENGINE_PREFIXES.append(engine_prefix)
         if ray.is_initialized():
             config = leave_room_for_ray_data(config, ray.cluster_resources().get("CPU", 0.0))
             if in_actor:  # the actors hold the workers: their KV budgets are planned here, for all of them
@@ -230,8 +247,8 @@ class Processor:
 
         dataset = dataset.map_batches(
             EngineStage,
-            fn_constructor_kwargs={"config": engines_config,
-                                   "preprocess": self.preprocess, "postprocess": self.postprocess},
+            fn_constructor_kwargs={"config": engines_config, "preprocess": self.preprocess,
+                                   "postprocess": self.postprocess, "engine_prefix": engine_prefix},
             batch_format="pyarrow",
             batch_size=self.batch_size,
             compute=ActorPoolStrategy(size=cluster.num_engines),

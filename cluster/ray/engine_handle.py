@@ -16,7 +16,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.config import RaysampleConfig
 from cluster.engine.engine_api import POLL_S, RequestAPI
 from cluster.engine.prompts import Params, PromptInput, as_prompt, params_per_prompt
-from cluster.ray.ray_cluster import create_worker_placement, launch_worker, wait_for_placement
+from cluster.ray.ray_cluster import (create_worker_placement, launch_worker, release_orphaned_placements,
+                                     wait_for_placement)
 from coordinator.request import RequestOutput
 
 _NAME_TAKEN = getattr(ray.exceptions, "ActorAlreadyExistsError", ValueError)
@@ -90,6 +91,7 @@ class EngineHandle(RequestAPI):
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         if _engine_exists(name, namespace):
             raise _name_taken(name, namespace)
+        release_orphaned_placements(namespace)
         # The workers start loading the model now, while the coordinator's process starts.
         placement = create_worker_placement(config, config.cluster.call_timeout_s, wait=False)
         workers = [launch_worker(config, placement, i) for i in range(config.cluster.num_workers)]

@@ -137,10 +137,49 @@ def create_worker_placement(config: RaysampleConfig, timeout_s: float, wait: boo
 
     ``wait=False``: return at once (actors on it start when it is placed); call ``wait_for_placement``.
     """
-    group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy)
+    name = placement_name(config.cluster.coordinator_name) if config.cluster.coordinator_name else ""
+    group = placement_group(worker_bundles(config), strategy=config.cluster.placement_strategy, name=name)
     if wait:
         wait_for_placement(group, config, timeout_s)
     return group
+
+
+PLACEMENT_SUFFIX = "/workers"
+
+
+def placement_name(engine_name: str) -> str:
+    """The name of an engine's workers' placement group: a placement group outlives the actor that made
+    it (it belongs to the job), so whoever finds it orphaned can tell whose it was."""
+    return engine_name + PLACEMENT_SUFFIX
+
+
+# Engine-name prefixes of the Ray Data datasets this process built (``cluster.entrypoints.data``): their
+# engines run in Ray Data's actors, which Ray Data may let go without shutting the engine down.
+DATASET_ENGINE_PREFIXES: list[str] = []
+
+
+def release_orphaned_placements(namespace: str, engine_prefixes: list[str] = DATASET_ENGINE_PREFIXES) -> int:
+    """Remove the placement groups of engines named with one of ``engine_prefixes`` whose coordinator is
+    gone; returns how many. A placement group belongs to the job, not to the actor that made it, so an
+    engine let go without a shutdown left its workers' CPUs held until the driver ended, and the next
+    dataset or engine on a small cluster waited for them forever. Called before an engine or a dataset
+    starts, in the process that built the earlier datasets."""
+    if not engine_prefixes:
+        return 0
+    released = 0
+    for entry in ray.util.placement_group_table().values():
+        name = entry.get("name") or ""
+        if entry.get("state") != "CREATED" or not name.endswith(PLACEMENT_SUFFIX):
+            continue
+        engine = name.removesuffix(PLACEMENT_SUFFIX)
+        if not any(engine.startswith(prefix) for prefix in engine_prefixes):
+            continue
+        try:
+            ray.get_actor(engine, namespace=namespace)
+        except ValueError:
+            remove_placement_group(ray.util.get_placement_group(name))
+            released += 1
+    return released
 
 
 def wait_for_placement(group: PlacementGroup, config: RaysampleConfig, timeout_s: float) -> None:
