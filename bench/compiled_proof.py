@@ -1,6 +1,6 @@
 """The compiled proof on the real model: ``LLM(model, enforce_eager=False)`` on CPU against the default.
 
-    python bench/compiled_proof.py [--dtype float32 bfloat16] [--max-tokens 32]
+    python bench/compiled_proof.py [--dtype float32 bfloat16] [--max-tokens 32] [--goldens]
 
 ``enforce_eager=False`` on CPU runs every one-token decode step through the fixed-shape forward under
 ``torch.compile(fullgraph=True)`` (workers/model/static_decode.py): the forward a GPU captures as CUDA
@@ -15,6 +15,10 @@ the same fixed-shape forward run eagerly (the same ops: tokens must be identical
 default path with decode attention in torch (``decode_attention: torch``), for scale: in bfloat16 two
 attention kernels (the native one, torch's) round their dot products differently, so answers that
 meet a near-tie part ways.
+
+``--goldens``: instead, every golden of ``tests/golden/engine_outputs.json`` (seven setups: 1-4 workers,
+preemption, speculative decoding, structured outputs, thinking budgets, a custom processor) through the
+compiled step, against its record (the suite runs two of them; all seven take about 90 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -76,11 +80,38 @@ def runner_tokens(dtype: str, steps: int, **options) -> list[list[int]]:
     return tokens
 
 
+def goldens() -> int:
+    """Every golden through ``enforce_eager=False``: how many requests match their records, per setup."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from golden_engine import GOLDEN, SETUPS, assert_same_record, run_setup
+
+    expected = json.loads(GOLDEN.read_text())
+    failed = False
+    for name, workers, extra in SETUPS:
+        start = time.perf_counter()
+        got = run_setup(workers, {**extra, "model": {"tiny": "loopy", "max_model_len": 160, "enforce_eager": False}})
+        wrong = []
+        for rid, record in expected[name]["outputs"].items():
+            try:
+                assert_same_record(got["outputs"][rid], record, rid)
+            except AssertionError:
+                wrong.append(rid)
+        failed |= bool(wrong)
+        print(f"golden {name}: {len(expected[name]['outputs']) - len(wrong)}/{len(expected[name]['outputs'])} requests "
+              f"as recorded through the compiled step ({time.perf_counter() - start:.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--goldens", action="store_true", help="every golden through the compiled step instead")
     args = parser.parse_args()
+    if args.goldens:
+        return goldens()
     failed = False  # the compiled forward must give the same forward's eager tokens
     for dtype in args.dtype:
         eager, eager_s, _ = answers(dtype, None, args.max_tokens)
