@@ -75,15 +75,28 @@ class RequestAPI(ABC):
         return final
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: Params = None,
-                 use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = False, raise_refused: bool = False) -> list[RequestOutput]:
         """Run prompts to completion (blocking); outputs in prompt order.
 
         ``use_tqdm``: a progress bar as vLLM's (``True``, or a tqdm-like class to build it).
+        ``raise_refused``: as vLLM's ``LLM``, a request refused at submission (``RequestOutput.refused``)
+        raises its ValueError before any output, and the others are aborted; else it is an error output.
         """
         prompts = as_prompt_list(prompts)
         ids = self.submit_many(prompts, sampling_params, final_only=True)
+        early: dict[str, RequestOutput] = {}
+        if raise_refused:  # refusals are final at once: one poll without waiting finds them
+            early = {out.request_id: out for out in self.poll(ids, 0.0, finished_only=True)}
+            refused = next((early[rid] for rid in ids if rid in early and early[rid].refused), None)
+            if refused is not None:
+                for rid in ids:
+                    if rid not in early:
+                        self.abort(rid)
+                raise ValueError(refused.error)
         with ProgressBar(len(ids), use_tqdm) as bar:
-            final = self.results(ids, bar.finished)
+            for out in early.values():
+                bar.finished(out)
+            final = {**early, **self.results([rid for rid in ids if rid not in early], bar.finished)}
         return [final[rid] for rid in ids]
 
 

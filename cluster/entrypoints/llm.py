@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import RaysampleConfig, resolve
-from cluster.engine.engine_api import ProgressBar, RequestAPI
+from cluster.engine.engine_api import RequestAPI
 from cluster.engine.prompts import Params, PromptInput, as_prompt_list, params_per_prompt
 from cluster.entrypoints.chat import load_tokenizer, render_chat
 from cluster.entrypoints.engine_factory import build_engine
@@ -78,24 +78,9 @@ class LLM(_EngineOwner):
 
     def _run(self, prompts: list[Any], sampling_params: Params, use_tqdm: bool | Callable[..., Any]
              ) -> list[RequestOutput]:
-        """Run to completion as vLLM's ``LLM`` does: a request refused at submission (a prompt too long for
-        the model, too many logprobs, a processor's ``validate_params``) raises its ValueError before any
-        output, and the others are aborted; a request that fails while running keeps its error in its
-        output, and one warning line counts them."""
-        ids = self.engine.submit_many(prompts, sampling_params, final_only=True)
-        early = {out.request_id: out for out in self.engine.poll(ids, 0.0, finished_only=True)}
-        refused = next((early[rid] for rid in ids if rid in early and early[rid].refused), None)
-        if refused is not None:
-            for rid in ids:
-                if rid not in early:
-                    self.engine.abort(rid)
-            raise ValueError(refused.error)
-        with ProgressBar(len(ids), use_tqdm) as bar:
-            for rid in ids:
-                if rid in early:
-                    bar.finished(early[rid])
-            final = {**early, **self.engine.results([rid for rid in ids if rid not in early], bar.finished)}
-        outputs = [final[rid] for rid in ids]
+        """As vLLM's ``LLM``: a request refused at submission raises (``RequestAPI.generate``'s
+        ``raise_refused``); one that fails while running keeps its error, and one warning line counts them."""
+        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_refused=True)
         failed = [out for out in outputs if out.error is not None]
         if failed:
             logger.warning("%d of %d requests failed while running; each output's .error says why (the first: %s)",
