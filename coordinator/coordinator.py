@@ -27,7 +27,7 @@ import numpy as np
 
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
 from coordinator.intake.admission import Admission
-from coordinator.intake.prefix_order import prefix_order
+from coordinator.intake.prefix_order import requests_by_prefix
 from coordinator.intake.quarantine import Quarantine
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.metrics import EngineMetrics
@@ -150,7 +150,7 @@ class Coordinator:
         try:
             yield
         finally:
-            self.scheduler.release_held(_by_prefix if self.config.group_by_prefix else None)
+            self.scheduler.release_held(requests_by_prefix if self.config.group_by_prefix else None)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text prompt; ValueError, before any work, for one that cannot fit."""
@@ -182,16 +182,7 @@ class Coordinator:
         return True
 
     def kv_summary(self) -> str:
-        """One line on the KV cache and the concurrency it allows (logged at start-up)."""
-        blocks, size = self.kv.pools[0].num_blocks, self.kv.block_size
-        per_seq = self.kv.blocks_for(self.model.max_model_len)
-        workers = len(self.kv.pools)
-        budget = f"; budget {self.kv_note}" if self.kv_note else ""
-        return (f"KV cache: {blocks} blocks of {size} tokens on each of {workers} worker(s) = "
-                f"{blocks * size * workers} tokens; {blocks // per_seq * workers} sequences of "
-                f"max_model_len={self.model.max_model_len} at once, more when shorter "
-                f"(max_num_seqs={self.batch.max_num_reqs}); prefix caching "
-                f"{'on' if self.kv.prefix_caching else 'off'}{budget}")
+        return self.kv.summary(self.model.max_model_len, self.batch.max_num_reqs, self.kv_note)
 
     def kv_stats(self) -> dict[str, Any]:
         return {
@@ -496,7 +487,3 @@ class Coordinator:
                 self.rows.pop(child.request_id, None)
                 self.outputs.forget(child.request_id)
         self.outputs.delivered = keep
-
-
-def _by_prefix(requests: list[Request]) -> list[int]:
-    return prefix_order([r.prompt_token_ids for r in requests])

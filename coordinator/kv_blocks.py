@@ -199,3 +199,13 @@ class KVCacheManager:
     def usage(self) -> float:
         used = sum(p.num_blocks - p.num_free for p in self.pools)
         return used / max(1, sum(p.num_blocks for p in self.pools))
+
+    def summary(self, max_model_len: int, max_num_seqs: int, note: str | None) -> str:
+        """One line on the cache and the concurrency it allows (logged at start-up); ``note``: where its budget came from."""
+        blocks, size, workers = self.pools[0].num_blocks, self.block_size, len(self.pools)
+        per_seq = self.blocks_for(max_model_len)
+        budget = f"; budget {note}" if note else ""
+        return (f"KV cache: {blocks} blocks of {size} tokens on each of {workers} worker(s) = "
+                f"{blocks * size * workers} tokens; {blocks // per_seq * workers} sequences of "
+                f"max_model_len={max_model_len} at once, more when shorter "
+                f"(max_num_seqs={max_num_seqs}); prefix caching {'on' if self.prefix_caching else 'off'}{budget}")

@@ -51,3 +51,8 @@ def prefix_order(prompts: Sequence[Any]) -> list[int]:
         path.append(index)
         paths.append(path)
     return sorted(range(len(prompts)), key=paths.__getitem__)
+
+
+def requests_by_prefix(requests: Sequence[Any]) -> list[int]:
+    """``prefix_order`` of requests (anything with ``prompt_token_ids``), as the scheduler's held queue asks."""
+    return prefix_order([r.prompt_token_ids for r in requests])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import torch
@@ -21,6 +22,12 @@ def tiny_job_config() -> dict:
     config["cache"]["kv_cache_memory"] = "16MiB"
     config["defaults"] = {"max_tokens": 32, "temperature": 0.8, "top_p": 0.95}
     return config
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a child a test sends SIGINT: a suite started in the background (``cmd &`` in a
+    script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler in the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def engine_config(max_num_seqs: int = 64) -> EngineConfig:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import tiny_job_config
+from helpers import ctrl_c_reaches_it, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,7 +66,8 @@ def test_a_50_mb_line_costs_no_memory_and_no_time(tmp_path):
 
 def test_ctrl_c_while_the_engine_starts_exits_130_with_the_resume_hint(tmp_path):
     args, _ = job(tmp_path, [json.dumps({"id": 1, "prompt": "Hi"}).encode()])
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_reaches_it)
     first = proc.stdout.readline()  # "[raysample] starting ...": the engine is starting now
     assert first.startswith("[raysample] starting"), first
     proc.send_signal(signal.SIGINT)
@@ -255,7 +256,8 @@ def test_ctrl_c_or_sigterm_while_torch_loads_is_one_line(tmp_path):
     config = tiny_job_config()
     args, _ = cli_job(tmp_path, config, long_lines(2), "--local")
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=ctrl_c_reaches_it)
         time.sleep(0.5)  # importing torch and the engine takes seconds
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import tiny_job_config
+from helpers import ctrl_c_reaches_it, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -169,7 +169,7 @@ def test_ctrl_c_then_sigterm_stop_cleanly_and_say_rerunning_resumes(tmp_path):
             "--output", str(output), "--local", "--log-every", "0"]
     written = 0
     for signal_name, code in (("SIGINT", 130), ("SIGTERM", 143)):
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.entrypoints.job", *args], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.entrypoints.job", *args], cwd=ROOT, preexec_fn=ctrl_c_reaches_it,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while (not output.exists() or len(output.read_text().splitlines()) < written + 3) and time.monotonic() < deadline:
