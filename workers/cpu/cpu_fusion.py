@@ -13,7 +13,9 @@ elementwise ops). Four swaps, each made only where it is exact:
 - a Llama-style attention applies its rotary embedding to q and k in one native call each.
 
 Each swap is checked at load on a random input against the module it replaces and kept only if
-the outputs are identical (``torch.equal``) on this CPU; a module whose forward is not the
+the outputs are identical (``torch.equal``) on this CPU. The check runs once per shape: kernels are
+picked by shape, dtype and CPU, never by the values, so the layers that share the first one's shapes
+take its verdict (a 30-layer model: 0.3 s of checks instead of 2). A module whose forward is not the
 Llama one (compared by bytecode, as transformers copies it into other architectures) keeps its
 own. Prepacked oneDNN weights (``workers.cpu.cpu_linear``) are used for the fused linears.
 """
@@ -129,7 +131,24 @@ def _same_outputs(reference: Callable[[torch.Tensor], torch.Tensor], candidate: 
     return True
 
 
-def _fuse_llama_mlp(module: nn.Module) -> bool:
+class Verdicts:
+    """The checks' results by shape (and dtype, device, kind): a layer like one checked before takes its verdict."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, object] = {}
+
+    def of(self, key: tuple, check: Callable[[], object]) -> object:
+        if key not in self._seen:
+            self._seen[key] = check()
+        return self._seen[key]
+
+
+def _shape_key(linears: list[nn.Linear]) -> tuple:
+    return tuple((lin.in_features, lin.out_features, lin.bias is None, lin.weight.dtype, lin.weight.device)
+                 for lin in linears)
+
+
+def _fuse_llama_mlp(module: nn.Module, verdicts: Verdicts) -> bool:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -140,8 +159,9 @@ def _fuse_llama_mlp(module: nn.Module) -> bool:
     fused = _fused_linear(linears[:2])
     down_packed = PrepackedLinear(linears[2])
     candidate = MethodType(_llama_mlp_forward, _FusedMlpView(fused, down_packed))
-    if not _same_outputs(lambda x: down(module.act_fn(gate(x)) * up(x)), candidate, linears[0].in_features,
-                         linears[0].weight):
+    key = ("mlp", type(module.act_fn), *_shape_key(linears))
+    if not verdicts.of(key, lambda: _same_outputs(lambda x: down(module.act_fn(gate(x)) * up(x)), candidate,
+                                                  linears[0].in_features, linears[0].weight)):
         return False
     del module.gate_proj, module.up_proj
     module.gate_up, module.down_proj = fused, down_packed
@@ -156,7 +176,7 @@ class _FusedMlpView:
         self.gate_up, self.down_proj = gate_up, down_proj
 
 
-def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
+def _share_input(module: nn.Module, names: tuple[str, ...], verdicts: Verdicts) -> bool:
     linears = [getattr(module, n, None) for n in names]
     if not all(type(lin) is nn.Linear for lin in linears):
         return False
@@ -164,9 +184,10 @@ def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
         return False
     group = SharedInputLinears(linears)
     separate = [PrepackedLinear(lin) for lin in linears]
-    if not _same_outputs(lambda x: tuple(lin(x) for lin in separate),
-                         lambda x: tuple(group.output(x, i) for i in range(len(names))),
-                         linears[0].in_features, linears[0].weight):
+    if not verdicts.of(("shared", *_shape_key(linears)),
+                       lambda: _same_outputs(lambda x: tuple(lin(x) for lin in separate),
+                                             lambda x: tuple(group.output(x, i) for i in range(len(names))),
+                                             linears[0].in_features, linears[0].weight)):
         return False
     module.add_module(f"{names[0]}_shared", group)  # in the module tree once (prepacked already)
     for index, name in enumerate(names):
@@ -174,7 +195,7 @@ def _share_input(module: nn.Module, names: tuple[str, ...]) -> bool:
     return True
 
 
-def _fuse_rms_norm(module: nn.Module) -> bool:
+def _fuse_rms_norm(module: nn.Module, verdicts: Verdicts) -> bool:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     if not (_same_code(type(module).forward, LlamaRMSNorm.forward) and hasattr(module, "variance_epsilon")):
@@ -183,11 +204,14 @@ def _fuse_rms_norm(module: nn.Module) -> bool:
     candidates = [MethodType(lambda self, x: _llama_rms_norm_forward(original, self, x), module)]
     if exact_ops.available() and exact_ops.sum_lanes(module.weight.shape[-1], module.variance_epsilon) is not None:
         candidates.insert(0, MethodType(lambda self, x: _native_rms_norm_forward(original, self, x), module))
-    for candidate in candidates:
-        if _same_outputs(original, candidate, module.weight.shape[-1], module.weight):
-            module.forward = candidate
-            return True
-    return False
+    weight = module.weight
+    key = ("rms_norm", len(candidates), tuple(weight.shape), module.variance_epsilon, weight.dtype, weight.device)
+    chosen = verdicts.of(key, lambda: next((i for i, candidate in enumerate(candidates)
+                                            if _same_outputs(original, candidate, weight.shape[-1], weight)), None))
+    if chosen is None:
+        return False
+    module.forward = candidates[chosen]
+    return True
 
 
 def _llama_attention_forward(module: nn.Module, hidden_states: torch.Tensor,
@@ -244,13 +268,14 @@ def fuse_cpu_layers(model: nn.Module) -> dict[str, int]:
     from workers.cpu.cpu_linear import prepack_linears
 
     counts = {"mlp": 0, "shared_input": 0, "rms_norm": 0, "rotary": 0}
+    verdicts = Verdicts()
     with torch.inference_mode():
         for module in list(model.modules()):
-            if _fuse_llama_mlp(module):
+            if _fuse_llama_mlp(module, verdicts):
                 counts["mlp"] += 1
             for names in _PROJECTIONS:
-                counts["shared_input"] += _share_input(module, names)
-            counts["rms_norm"] += _fuse_rms_norm(module)
+                counts["shared_input"] += _share_input(module, names, verdicts)
+            counts["rms_norm"] += _fuse_rms_norm(module, verdicts)
             counts["rotary"] += _fuse_rotary(module)
         counts["prepacked"] = prepack_linears(model)
     logger.debug("CPU layer fusion: %s", counts)

@@ -57,3 +57,34 @@ def test_a_member_called_with_another_input_computes_it_again():
     q = members[0](x)
     x.add_(1.0)  # written in place between two members: recomputed
     assert torch.allclose(members[1](x), linears[1](x), atol=1e-6)
+
+
+def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that_shape_unfused(monkeypatch):
+    """Kernels are picked by shape, dtype and CPU: the layers that share the first one's shapes take its
+    verdict, both ways (a failed check leaves all of them as they were, and their logits unchanged)."""
+    from workers.cpu import cpu_fusion
+
+    path = build_arch_model("llama")
+    checked = []
+    real = cpu_fusion._same_outputs
+
+    def counting(reference, candidate, width, like):
+        checked.append(width)
+        return real(reference, candidate, width, like)
+
+    monkeypatch.setattr(cpu_fusion, "_same_outputs", counting)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    counts = fuse_cpu_layers(model)
+    assert counts["mlp"] == counts["shared_input"] == 2 and counts["rms_norm"] >= 5, counts
+    # The MLP, q/k/v and the RMSNorm width (5 norms) once each; the norm twice where the native kernel differs.
+    assert len(checked) in (3, 4), checked
+
+    monkeypatch.setattr(cpu_fusion, "_same_outputs", lambda reference, candidate, width, like: False)
+    refused = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    counts = fuse_cpu_layers(refused)
+    assert counts["mlp"] == counts["shared_input"] == counts["rms_norm"] == 0, counts
+    with torch.inference_mode():
+        prepack_linears(plain)
+        ids = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(refused(ids).logits, plain(ids).logits)
