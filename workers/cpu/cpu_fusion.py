@@ -48,8 +48,8 @@ def _same_code(a: Callable, b: Callable) -> bool:
 
 def _fused_linear(linears: list[nn.Linear]) -> PrepackedLinear:
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
-                      dtype=weight.dtype, device=weight.device)
+    fused = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                                     dtype=weight.dtype, device=weight.device)  # no random init: replaced at once
     fused.weight.data = weight
     if fused.bias is not None:
         fused.bias.data = torch.cat([linear.bias.detach() for linear in linears])
@@ -155,13 +155,16 @@ def _fuse_llama_mlp(module: nn.Module, verdicts: Verdicts) -> bool:
     if not (_same_code(type(module).forward, LlamaMLP.forward) and all(type(lin) is nn.Linear for lin in linears)
             and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
         return False
-    gate, up, down = (PrepackedLinear(lin) for lin in linears)
     fused = _fused_linear(linears[:2])
     down_packed = PrepackedLinear(linears[2])
-    candidate = MethodType(_llama_mlp_forward, _FusedMlpView(fused, down_packed))
-    key = ("mlp", type(module.act_fn), *_shape_key(linears))
-    if not verdicts.of(key, lambda: _same_outputs(lambda x: down(module.act_fn(gate(x)) * up(x)), candidate,
-                                                  linears[0].in_features, linears[0].weight)):
+
+    def check() -> bool:
+        gate, up, down = (PrepackedLinear(lin) for lin in linears)
+        return _same_outputs(lambda x: down(module.act_fn(gate(x)) * up(x)),
+                             MethodType(_llama_mlp_forward, _FusedMlpView(fused, down_packed)),
+                             linears[0].in_features, linears[0].weight)
+
+    if not verdicts.of(("mlp", type(module.act_fn), *_shape_key(linears)), check):
         return False
     del module.gate_proj, module.up_proj
     module.gate_up, module.down_proj = fused, down_packed
@@ -183,11 +186,14 @@ def _share_input(module: nn.Module, names: tuple[str, ...], verdicts: Verdicts) 
     if len({(lin.in_features, lin.bias is None, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
         return False
     group = SharedInputLinears(linears)
-    separate = [PrepackedLinear(lin) for lin in linears]
-    if not verdicts.of(("shared", *_shape_key(linears)),
-                       lambda: _same_outputs(lambda x: tuple(lin(x) for lin in separate),
-                                             lambda x: tuple(group.output(x, i) for i in range(len(names))),
-                                             linears[0].in_features, linears[0].weight)):
+
+    def check() -> bool:
+        separate = [PrepackedLinear(lin) for lin in linears]
+        return _same_outputs(lambda x: tuple(lin(x) for lin in separate),
+                             lambda x: tuple(group.output(x, i) for i in range(len(names))),
+                             linears[0].in_features, linears[0].weight)
+
+    if not verdicts.of(("shared", *_shape_key(linears)), check):
         return False
     module.add_module(f"{names[0]}_shared", group)  # in the module tree once (prepacked already)
     for index, name in enumerate(names):
