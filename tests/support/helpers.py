@@ -145,3 +145,13 @@ class FaultAfterFirstResults:
             self.done = True
             self.fault()
         return outs
+
+
+def chisquare_pvalue(observed, expected) -> float:
+    """Pearson's chi-square test of counts against expected counts (as ``scipy.stats.chisquare``): the p-value,
+    the chi-square distribution's upper tail at the statistic, ``Q(df / 2, statistic / 2)``."""
+    observed = torch.as_tensor(observed, dtype=torch.float64).flatten()
+    expected = torch.as_tensor(expected, dtype=torch.float64).flatten()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    half_df = torch.tensor((observed.numel() - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(half_df, statistic / 2))
