@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
     parser.add_argument("--tp", default="", help="instead: 16 GPUs as 16/tp workers x tp ranks, e.g. 1,2,4,8")
     parser.add_argument("--quick", action="store_true",
-                        help="1 worker, then 2 engines x 1, 8 rows, 8 tokens (a smoke run)")
+                        help="1 worker sync and pipelined, then 2 engines x 1 pipelined, 8 rows, 8 tokens (a smoke run)")
     args = parser.parse_args()
     if args.plot:
         import importlib.util
@@ -290,26 +290,26 @@ def main() -> None:
             ray.shutdown()
         tensor_parallel_report(tp_runs)
         return
-    if args.quick:
-        shapes = [(1, 1, False), (2, 1, False)]
+    if args.quick:  # each schedule on one worker, then the pipelined one on 2 engines: 4 engines started in all
+        plan = [(1, 1, False, False), (1, 1, False, True), (2, 1, False, True)]
         rows, max_tokens = 8, 8
     else:
         shapes = [(1, int(w), False) for w in args.workers.split(",") if w]
         shapes += [(int(k), TOTAL_WORKERS // int(k), False) for k in args.engines.split(",") if k]
         shapes += [(1, int(w), True) for w in args.compiled.split(",") if w]
+        plan = [(k, w, compiled, pipelined) for k, w, compiled in shapes for pipelined in modes]
         rows, max_tokens = args.rows, args.max_tokens
-    ray.init(address="local", num_cpus=max(k * w for k, w, _ in shapes) + 2, include_dashboard=False, namespace="raysample",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=max(k * w for k, w, _, _ in plan) + 2, include_dashboard=False,
+             namespace="raysample", log_to_driver=False)
     print(f"simulated {args.preset} workers, {rows} rows each, {max_tokens} tokens a request, "
           f"{2 * rows} requests per worker")
     runs: list[Run] = []
     try:
-        for engines, workers, compiled in shapes:
-            for pipelined in modes:
-                r = run(engines, workers, rows, max_tokens, args.preset, compiled, pipelined)
-                runs.append(r)
-                print(f"{r.label}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s "
-                      f"(own core {r.own_core_rate():.0f})", flush=True)
+        for engines, workers, compiled, pipelined in plan:
+            r = run(engines, workers, rows, max_tokens, args.preset, compiled, pipelined)
+            runs.append(r)
+            print(f"{r.label}: {r.tokens} tokens in {r.seconds:.1f} s = {r.rate():.0f} tokens/s "
+                  f"(own core {r.own_core_rate():.0f})", flush=True)
     finally:
         ray.shutdown()
     report(runs)
