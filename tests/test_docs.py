@@ -167,10 +167,11 @@ def test_async_llm_line_runs_in_an_async_function(monkeypatch):
 
 @pytest.mark.ray
 @pytest.mark.timeout(400)  # a hang (Ray Data's write task waiting for a CPU) fails, it does not stall the suite
-def test_ray_data_and_engine_blocks_on_a_2_cpu_ray(tmp_path, monkeypatch):
+def test_ray_data_and_engine_blocks_on_a_2_cpu_ray(tmp_path, monkeypatch, capsys):
     """README's and the guide's Ray Data blocks and the guide's ``Engine`` block, as written, on one Ray
     instance of 2 CPUs (configs/default.yaml: the real model in 2 workers), with the ``questions.parquet``
-    they read made here and their ``/data/answers`` written to a temporary folder."""
+    they read made here and their ``/data/answers`` written to a temporary folder. A cluster the engines
+    would fill: each Ray Data block's dataset is written, not left waiting for a CPU the workers hold."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray
@@ -188,6 +189,8 @@ def test_ray_data_and_engine_blocks_on_a_2_cpu_ray(tmp_path, monkeypatch):
             exec(compile(source, name, "exec"), {})
             rows = sorted(pq.read_table(answers).to_pylist(), key=lambda r: str(r.get("id")))
             assert len(rows) == 2 and all(r["error"] is None and r["finish_reason"] in ("stop", "length") for r in rows), rows
+            assert all(0 < r["num_generated_tokens"] <= 64 for r in rows), rows
+            assert "the engines' 2 worker(s) ask for 0.5 CPU each" in capsys.readouterr().out
             if name == "docs/guide.md":
                 assert [r["id"] for r in rows] == ["q1", "q2"] and "Paris" in rows[0]["generated_text"]
 
