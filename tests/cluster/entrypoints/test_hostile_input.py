@@ -291,6 +291,7 @@ def test_on_ray_sigterm_is_one_line_and_143_and_a_dead_coordinator_is_reported_o
 
     config = tiny_job_config()
     config["scheduler"]["max_num_seqs"] = 2
+    config["cluster"]["num_workers"] = 1  # what is tested here is the driver's and the coordinator's: one worker does
     args, output = cli_job(tmp_path, config, [*HOSTILE_LINES, *(json.dumps(r) for r in GOOD_LINES), *long_lines(60)])
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_records(output, 3)
