@@ -129,7 +129,7 @@ def test_workers_match_in_process_engine(ray_cluster, in_process_reference, work
         engine.shutdown()
 
 
-def test_killed_worker_mid_generation_loses_nothing(ray_cluster):
+def test_killed_worker_mid_generation_loses_nothing_and_a_second_driver_attaches_by_name(ray_cluster):
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in PROMPTS]
     reference = [o.token_ids for o in LocalEngine(base_config()).generate(PROMPTS, params)]
     engine = start("kill", cluster={"num_workers": 2})
@@ -147,6 +147,22 @@ def test_killed_worker_mid_generation_loses_nothing(ray_cluster):
         assert stats["recoveries"] == 1 and stats["workers_alive"] == 2  # the dead one was replaced
         after = engine.generate("Hello", params[0])[0]  # still serving
         assert len(after.token_ids) == 60 and after.error is None
+        # Another driver attaches to the engine by its name and gets what this one gets.
+        script = textwrap.dedent(
+            f"""
+            import json, ray
+            from cluster import Engine
+            from processors import SamplingParams
+            ray.init(address={ray_cluster.address!r}, namespace="raysample-tests")
+            engine = Engine.connect("kill", "raysample")
+            out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+            print(json.dumps(out.token_ids))
+            """
+        )
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == after.token_ids
     finally:
         engine.shutdown()
 
@@ -178,23 +194,6 @@ def test_a_hung_worker_is_killed_and_replaced_with_compiled_graphs(ray_cluster):
         engine.shutdown()
 
 
-def test_all_workers_gone_fails_pending_requests_clearly(ray_cluster):
-    engine = start("all-gone", cluster={"num_workers": 2, "max_worker_replacements": 0})
-    try:
-        ids = engine.submit_many(PROMPTS[:2], SamplingParams(max_tokens=150, ignore_eos=True, seed=1))
-        engine.poll(ids, 5.0)
-        for handle in engine.worker_handles():
-            ray.kill(handle)
-        final = engine.results(ids)
-        for rid in ids:
-            assert final[rid].finish_reason == FinishReason.ERROR
-            assert "all raysample workers are gone" in final[rid].error and final[rid].retryable
-        with pytest.raises(EngineError, match="all raysample workers are gone"):
-            engine.submit("more", SamplingParams())
-    finally:
-        engine.shutdown()
-
-
 def test_node_removed_on_two_node_cluster(ray_cluster):
     node = ray_cluster.add_node(num_cpus=2)
     ray_cluster.wait_for_nodes()
@@ -214,34 +213,37 @@ def test_node_removed_on_two_node_cluster(ray_cluster):
         engine.shutdown()
 
 
-def test_second_driver_attaches_by_name(ray_cluster):
-    engine = start("shared", cluster={"num_workers": 2})
-    try:
-        mine = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-        script = textwrap.dedent(
-            f"""
-            import json, ray
-            from cluster import Engine
-            from processors import SamplingParams
-            ray.init(address={ray_cluster.address!r}, namespace="raysample-tests")
-            engine = Engine.connect("shared", "raysample")
-            out = engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-            print(json.dumps(out.token_ids))
-            """
-        )
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert json.loads(proc.stdout.strip().splitlines()[-1]) == mine.token_ids
-    finally:
-        engine.shutdown()
-
-
-def test_stream_and_abort_and_engine_errors_surface(ray_cluster):
+def test_metrics_reach_rays_prometheus_endpoint_then_stream_abort_and_engine_errors_surface(ray_cluster):
     import asyncio
 
     engine = start("stream", cluster={"num_workers": 1, "cpus_per_worker": 1})
     try:
+        [worker] = engine.worker_handles()  # intra-op threads from its CPU share (1), not the host's cores
+        assert ray.get(worker.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())) == 1
+        outs = engine.generate(PROMPTS[:4], workload()[:4])
+        stats = engine.stats()
+        generated = sum(len(o.token_ids) for o in outs)
+        assert stats["generated_tokens"] == generated and stats["tokens_per_s"] > 0
+        deadline, samples = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:  # a last step may still drop finished rows from the workers
+            samples, stats = scrape("stream"), engine.stats()
+            # Each metric reaches the endpoint on its own export tick: wait until every one compared is current.
+            if (samples.get("ray_raysample_generated_tokens_total") == generated
+                    and samples.get("ray_raysample_step_seconds_count") == stats["steps"]
+                    and samples.get("ray_raysample_spec_proposed_tokens_total") == stats["spec_proposed"]
+                    and samples.get("ray_raysample_spec_accepted_tokens_total") == stats["spec_accepted"]
+                    and samples.get("ray_raysample_requests_finished_total{length}") == 4):
+                break
+            time.sleep(0.5)
+        assert samples.get("ray_raysample_generated_tokens_total") == generated, samples
+        assert samples["ray_raysample_requests_finished_total{length}"] == 4
+        assert samples["ray_raysample_spec_proposed_tokens_total"] == stats["spec_proposed"] > 0
+        assert samples["ray_raysample_spec_accepted_tokens_total"] == stats["spec_accepted"]
+        assert samples["ray_raysample_prefill_tokens_total"] >= sum(len(o.prompt_token_ids) for o in outs)
+        assert samples["ray_raysample_step_seconds_count"] == stats["steps"]
+        for gauge in ("requests_running", "requests_waiting", "kv_cache_usage", "generation_tokens_per_second"):
+            assert f"ray_raysample_{gauge}" in samples
+
         # A core left for the coordinator: step N's outputs are built while step N+1 runs.
         assert engine.stats()["overlap_outputs"] == (usable_cores() >= 2)
         async def collect():
@@ -346,40 +348,6 @@ def scrape(engine_name: str) -> dict[str, float]:
     return samples
 
 
-def test_metrics_reach_rays_prometheus_endpoint(ray_cluster):
-    engine = start("metrics-engine", cluster={"num_workers": 1, "cpus_per_worker": 2})
-    try:
-        [worker] = engine.worker_handles()  # intra-op threads from its CPU share, not the host's cores
-        assert ray.get(worker.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())) == \
-            min(2, usable_cores())
-        outs = engine.generate(PROMPTS[:4], workload()[:4])
-        stats = engine.stats()
-        generated = sum(len(o.token_ids) for o in outs)
-        assert stats["generated_tokens"] == generated and stats["tokens_per_s"] > 0
-        deadline, samples = time.monotonic() + 60, {}
-        while time.monotonic() < deadline:  # a last step may still drop finished rows from the workers
-            samples, stats = scrape("metrics-engine"), engine.stats()
-            # Each metric reaches the endpoint on its own export tick: wait until every one compared is current.
-            if (samples.get("ray_raysample_generated_tokens_total") == generated
-                    and samples.get("ray_raysample_step_seconds_count") == stats["steps"]
-                    and samples.get("ray_raysample_spec_proposed_tokens_total") == stats["spec_proposed"]
-                    and samples.get("ray_raysample_spec_accepted_tokens_total") == stats["spec_accepted"]
-                    and samples.get("ray_raysample_requests_finished_total{length}") == 4):
-                break
-            time.sleep(0.5)
-        assert samples.get("ray_raysample_generated_tokens_total") == generated, samples
-        assert samples["ray_raysample_requests_finished_total{length}"] == 4
-        assert samples["ray_raysample_spec_proposed_tokens_total"] == stats["spec_proposed"] > 0
-        assert samples["ray_raysample_spec_accepted_tokens_total"] == stats["spec_accepted"]
-        assert samples["ray_raysample_prefill_tokens_total"] >= sum(len(o.prompt_token_ids) for o in outs)
-        assert samples["ray_raysample_step_seconds_count"] == stats["steps"]
-        for gauge in ("requests_running", "requests_waiting", "kv_cache_usage", "generation_tokens_per_second"):
-            assert f"ray_raysample_{gauge}" in samples
-    finally:
-        engine.shutdown()
-
-
-
 def test_several_engines_share_a_cluster_and_a_taken_name_is_a_clear_error(ray_cluster):
     config = base_config(cluster={"num_workers": 1}, speculative=None)
     config["cluster"].pop("coordinator_name", None)
@@ -419,7 +387,7 @@ def test_random_mixture_of_good_and_bad_lines_on_two_workers(ray_cluster, tmp_pa
         engine.shutdown()
 
 
-def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, tmp_path):
+def test_every_worker_killed_fails_pending_requests_clearly_and_the_next_run_retries_them(ray_cluster, tmp_path):
     from cluster.config import load_config
     from cluster.entrypoints.job_runner import run_job
 
@@ -442,13 +410,17 @@ def test_every_worker_killed_then_the_next_run_retries_what_failed(ray_cluster, 
         with pytest.raises((EngineError, RuntimeError), match="all raysample workers are gone"):
             run_job(config("retry-first"), FaultAfterFirstResults(engine, kill_every_worker), source, output,
                     max_in_flight=6)
+        with pytest.raises(EngineError, match="all raysample workers are gone"):  # and it takes no more
+            engine.submit("more", SamplingParams())
     finally:
         engine.shutdown()
     first = [json.loads(line) for line in output.read_text().splitlines()]
     done = {r["id"] for r in first if r["error"] is None}
     assert done and len(done) < 12, first  # some written before the workers died, not all
-    # What failed is marked for a retry; lines submitted after the engine stopped have no record yet.
-    assert all(r.get("retryable") for r in first if r["error"])
+    # The requests running when they died failed clearly and are marked for a retry; lines submitted
+    # after the engine stopped have no record yet.
+    failed = [r for r in first if r["error"]]
+    assert failed and all(r.get("retryable") and "all raysample workers are gone" in r["error"] for r in failed), first
     engine = Engine.from_config(config("retry-second"))
     try:
         run_job(config("retry-second"), engine, source, output, max_in_flight=6)
