@@ -209,8 +209,10 @@ def test_address_local_starts_a_private_instance_while_another_cluster_runs(ray_
     prompts.write_text(json.dumps({"id": 1, "prompt": "private",
                                    "sampling_params": {"seed": 1, "max_tokens": 4, "ignore_eos": True}}) + "\n")
     output = tmp_path / "out.jsonl"
-    config = tmp_path / "tiny.yaml"  # the model does not matter here: the fast tiny one
-    config.write_text(yaml.safe_dump(tiny_job_config()))
+    config = tmp_path / "tiny.yaml"  # the model and the workers do not matter here: the tiny one, once
+    job_config = tiny_job_config()
+    job_config["cluster"]["num_workers"] = 1
+    config.write_text(yaml.safe_dump(job_config))
     run = subprocess.run(
         [sys.executable, "-m", "cluster.entrypoints.job", "generate", "--config", str(config), "--input", str(prompts),
          "--output", str(output)],
