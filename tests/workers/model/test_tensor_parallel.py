@@ -256,20 +256,24 @@ def chosen_logprobs(output) -> list[float]:
 
 
 @pytest.mark.ray
-def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instance):
+def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one_and_a_killed_rank_is_replaced(ray_instance):
     """Through vLLM's handle, ``LLM(tensor_parallel_size=2)``. One group verifies n-gram drafts (rows of
     several queries on every rank); two groups run pipelined: the forward launched ahead, and its
-    spare-block copies, reach every rank in the lead's order."""
+    spare-block copies, reach every rank in the lead's order. Then a killed rank takes the one group
+    down; its rows are requeued and finish as in one process, on a new group of two new ranks."""
     from cluster.engine.local_engine import LocalEngine
     from cluster.entrypoints.llm import LLM
 
-    reference = LocalEngine(tiny_config(1)).generate(PROMPTS, tiny_workload())
+    local = LocalEngine(tiny_config(1))
+    reference = local.generate(PROMPTS, tiny_workload())
     for workers in (1, 2):
         config = tiny_config(1, workers, pipelined=workers == 2, drafts=workers == 1)
         llm = LLM(config=config, tensor_parallel_size=2)
         try:
             outputs = [o.outputs[0] for o in llm.generate(PROMPTS, tiny_workload(), use_tqdm=False)]
             stats = llm.engine.stats()
+            if workers == 1:
+                a_killed_rank_takes_its_group_down_and_the_rows_are_requeued(llm.engine, local)
         finally:
             llm.shutdown()
         for got, want in zip(outputs, reference):
@@ -284,32 +288,24 @@ def test_tiny_model_in_two_ranks_equals_one_and_two_groups_equal_one(ray_instanc
         assert w0 == w1 and k0 == k1 > 0  # the same shard size and KV heads on each rank
 
 
-@pytest.mark.ray
-def test_a_killed_rank_takes_its_group_down_and_the_rows_are_requeued(ray_instance):
+def a_killed_rank_takes_its_group_down_and_the_rows_are_requeued(engine, local) -> None:
     import ray
 
-    from cluster import Engine
-    from cluster.engine.local_engine import LocalEngine
-
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in PROMPTS]
-    reference = [o.token_ids for o in LocalEngine(tiny_config(1)).generate(PROMPTS, params)]
-    engine = Engine.from_config(tiny_config(2, 1, max_worker_replacements=2))
-    try:
-        ids = engine.submit_many(PROMPTS, params)
-        seen: dict[str, int] = {}
-        while sum(seen.values()) < 30:
-            for out in engine.poll(ids, 1.0):
-                seen[out.request_id] = len(out.token_ids)
-        lead, follower = ray.get(engine.worker_handles()[0].rank_pids.remote())
-        os.kill(follower, signal.SIGKILL)
-        final = engine.results(ids)
-        assert [final[i].token_ids for i in ids] == reference
-        stats = engine.stats()
-        assert stats["recoveries"] >= 1 and stats["workers_alive"] == 1
-        new_lead, new_follower = ray.get(engine.worker_handles()[0].rank_pids.remote())
-        assert {new_lead, new_follower}.isdisjoint({lead, follower})  # a new group, both ranks
-    finally:
-        engine.shutdown()
+    reference = [o.token_ids for o in local.generate(PROMPTS, params)]
+    ids = engine.submit_many(PROMPTS, params)
+    seen: dict[str, int] = {}
+    while sum(seen.values()) < 30:
+        for out in engine.poll(ids, 1.0):
+            seen[out.request_id] = len(out.token_ids)
+    lead, follower = ray.get(engine.worker_handles()[0].rank_pids.remote())
+    os.kill(follower, signal.SIGKILL)
+    final = engine.results(ids)
+    assert [final[i].token_ids for i in ids] == reference
+    stats = engine.stats()
+    assert stats["recoveries"] >= 1 and stats["workers_alive"] == 1
+    new_lead, new_follower = ray.get(engine.worker_handles()[0].rank_pids.remote())
+    assert {new_lead, new_follower}.isdisjoint({lead, follower})  # a new group, both ranks
 
 
 def test_a_simulated_rank_computes_its_share_plus_two_allreduces_a_layer():
