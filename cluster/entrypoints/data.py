@@ -157,7 +157,6 @@ class EngineStage:
         return typed_like(pa.Table.from_pylist([self.postprocess(row) for row in result.to_pylist()]), result.schema)
 
 
-
 def _shut_down(engine: Any) -> None:
     try:
         engine.shutdown()
