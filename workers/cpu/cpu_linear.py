@@ -41,20 +41,22 @@ class PrepackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
+        self.weight_dtype = weight.dtype
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        return self.compute(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def compute(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[M, in_features] -> [M, out_features]``: the matmul itself (``workers.cpu.row_invariance`` probes it)."""
         rows = flat.shape[0]
         if rows < MIN_ROWS:  # oneDNN takes another kernel for one row: pad, so a row's result never depends on M
             flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, self.in_features)])
         elif not flat.is_contiguous():
             flat = flat.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        if rows < MIN_ROWS:
-            out = out[:rows]
-        return out.view(*x.shape[:-1], self.out_features)
+        return out[:rows] if rows < MIN_ROWS else out
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -20,6 +20,7 @@ import torch
 from workers.cpu import host_memory, native_attention
 from workers.cpu.cpu_fusion import fuse_cpu_layers
 from workers.cpu.cpu_linear import prepack_available
+from workers.cpu.row_invariance import make_rows_independent
 from workers.model.attention_probe import verify_once
 from workers.model.decode_layout import block_major_layout
 from workers.model.merged_layers import merge_layers
@@ -104,7 +105,8 @@ class ModelRunner:
                  max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
                  spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None,
-                 model_config: Any = None) -> None:
+                 model_config: Any = None, max_step_tokens: int = 2048, max_logit_rows: int | None = None,
+                 probe_cpu_rows: bool = True) -> None:
         """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
         ahead writes the token of a row entering a block the coordinator has not yet given it
         (``workers.step.ahead``); ``copy_blocks`` moves it there once the plan names the block.
@@ -114,7 +116,10 @@ class ModelRunner:
         unset, CUDA graphs on CUDA and the variable-shape forward on CPU. ``merge_projections``: Llama-style
         layers in fewer operators (``workers.model.merged_layers``); unset, wherever the CPU's own fusion is not used.
         ``model_config``: the Hugging Face config the run already read (``workers.model.model_facts``); a copy
-        is loaded with, since loading sets fields on it."""
+        is loaded with, since loading sets fields on it. ``max_step_tokens`` (the scheduler's token budget) and
+        ``max_logit_rows`` (rows that sample, drafts included; unset, ``max_rows``): the most rows a linear layer
+        and the LM head see in one step, up to which a CPU's linears are probed (``workers.cpu.row_invariance``);
+        ``probe_cpu_rows=False`` leaves the linears as a GPU runs them (benches that count a GPU's operators on CPU)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         register_paged_attention()
@@ -183,6 +188,10 @@ class ModelRunner:
             merge_projections = self.device.type != "cpu" or static_mode == "compiled"
         if merge_projections and not cpu_fused and tensor_parallel_size == 1:
             merge_layers(self.model, paged_attention)
+        if probe_cpu_rows and self.device.type == "cpu" and tensor_parallel_size == 1 and static_mode != "compiled":
+            from workers.model.model_source import cache_root
+
+            make_rows_independent(self.model, max_step_tokens, max_logit_rows or max_rows, cache_root() / "row-probes")
         if static_mode:
             self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
             self.static.capture()

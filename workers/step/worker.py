@@ -255,6 +255,9 @@ def build_runner(config: Any, device: torch.device | str) -> Any:
         tensor_parallel_size=config.model.tensor_parallel_size,
         enforce_eager=config.model.enforce_eager,
         cudagraph_capture_sizes=config.model.cudagraph_capture_sizes,
+        max_step_tokens=config.scheduler.max_num_batched_tokens,
+        max_logit_rows=config.scheduler.slots_per_worker() * (1 + (config.speculative.num_speculative_tokens
+                                                                  if config.speculative is not None else 0)),
     )
 
 
