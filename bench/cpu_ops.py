@@ -8,6 +8,9 @@ SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows
 - **attention prefetch**: the forward with the decode-attention kernel prefetching each thread's
   next tasks' keys and values, and without (alternating on one runner), the kernel's own time in
   each, and whether the logits are identical;
+- **memory floor**: the bytes a decode step must read (every linear's weights once, and each row's
+  keys and values up to its position) over the read bandwidth measured in the same run, and the
+  step's median time as a multiple of that floor;
 - **exact ops**: the forward with and without the native RMSNorm and rotary embedding
   (``workers/cpu/exact_ops.py``): two runners of the same weights, alternating in one process (this
   machine's speed drifts between runs), medians, and whether their logits are identical.
@@ -101,6 +104,47 @@ def linears(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
         print(f"  {name:18s} {median * 1e3:7.1f} ms  {flops / median / 1e9:5.0f} GFLOP/s")
 
 
+def read_bandwidth(repeats: int = 5, size: int = 512 << 20) -> float:
+    """Bytes per second of a streaming read of a buffer far larger than the caches (all threads), best of ``repeats``."""
+    buffer = torch.ones(size // 4, dtype=torch.float32)
+    buffer.sum()  # its pages touched once
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def step_bytes(runner: ModelRunner, step: list[RowWork]) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) a decode step reads at the least: each linear's weights once (the LM
+    head included; the embedding gives only its rows), and each row's keys and values to its position."""
+    weights = 0
+    for module in runner.model.modules():
+        if isinstance(module, PrepackedLinear):
+            weights += module.in_features * module.out_features * module.weight_dtype.itemsize
+        elif isinstance(module, nn.Linear):
+            weights += module.weight.numel() * module.weight.element_size()
+    per_token = 2 * runner.num_layers * runner.kv_heads * runner.head_dim * runner.dtype.itemsize
+    return weights, sum(row.start_pos + len(row.token_ids) for row in step) * per_token
+
+
+def memory_floor(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
+    bandwidth = read_bandwidth()
+    weights, kv = step_bytes(runner, step)
+    floor = (weights + kv) / bandwidth
+    spent = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward(step)
+            spent.append(time.perf_counter() - start)
+    median = statistics.median(spent)
+    print(f"memory floor: {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of K/V at {bandwidth / 1e9:.1f} GB/s "
+          f"(read, measured now) = {floor * 1e3:.1f} ms")
+    print(f"  the step: median {median * 1e3:.1f} ms (min {min(spent) * 1e3:.1f}) = {median / floor:.2f}x its floor")
+
+
 def attention_prefetch(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
     kernel = paged.native_paged_decode
     prefetch = [True]
@@ -177,6 +221,7 @@ def main() -> None:
     runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows, verify=False)
     step = decode_rows(runner, args.rows, args.position)
     linears(runner, step, args.repeats)
+    memory_floor(runner, step, args.repeats)
     attention_prefetch(runner, step, args.repeats)
     del runner
     exact_ops_saving(model_dir, args.dtype, args.rows, args.position, args.repeats)

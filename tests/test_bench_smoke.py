@@ -34,6 +34,9 @@ def run_cpu_ops(env: dict[str, str] | None = None) -> subprocess.CompletedProces
     timings = re.findall(r"^  (inside the model|back to back|weights hot) +[\d.]+ ms +\d+ GFLOP/s$", done.stdout, re.M)
     assert timings == ["inside the model", "back to back", "weights hot"], done.stdout
     assert "logits identical: False" not in done.stdout, done.stdout
+    floor = re.search(r"^memory floor: (\d+) MB of weights \+ \d+ MB of K/V at [\d.]+ GB/s \(read, measured now\) = "
+                      r"[\d.]+ ms\n  the step: median [\d.]+ ms \(min [\d.]+\) = ([\d.]+)x its floor$", done.stdout, re.M)
+    assert floor and 100 < int(floor[1]) < 1000 and float(floor[2]) > 0, done.stdout  # the real model's linears: 135M+ parameters
     return done
 
 
