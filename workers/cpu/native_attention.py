@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -25,7 +26,8 @@ FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fn
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 5
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-__all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "supports", "write_kv"]
+__all__ = ["NativeKernelUnavailable", "available", "build", "load", "paged_decode", "paged_decode_op", "supports",
+           "write_kv"]
 
 
 def library_path() -> Path:
@@ -121,6 +123,24 @@ def paged_decode(q_all: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v
         scale, softcap or 0.0, window or 0, None if sink_values is None else sink_values.data_ptr(),
         torch.get_num_threads(), int(prefetch),
     )
+
+
+@torch.library.custom_op("raysample::paged_decode", mutates_args=())
+def paged_decode_op(q_all: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    token_index: torch.Tensor, query_pos: torch.Tensor, scale: float, softcap: Optional[float],
+                    window: Optional[int], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """``paged_decode`` as one torch operator that returns its output: ``torch.compile`` traces it as a
+    single opaque node, so the compiled fixed-shape step (``workers.model.static_decode``) attends with
+    the very kernel the variable-shape forward uses. Every query row must be real (no padding queries)."""
+    out = torch.zeros(q_all.shape, dtype=q_all.dtype, device=q_all.device)
+    paged_decode(q_all, out, k_pool, v_pool, block_tables.contiguous(), token_index.contiguous(),
+                 query_pos.contiguous(), scale, softcap, window, sinks)
+    return out
+
+
+@paged_decode_op.register_fake
+def _paged_decode_shape(q_all, k_pool, v_pool, block_tables, token_index, query_pos, scale, softcap, window, sinks):
+    return q_all.new_empty(q_all.shape)
 
 
 def bf16_dot_product() -> bool:

@@ -179,7 +179,8 @@ class ModelRunner:
         # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
         # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
         # transformers' collectives hang on the linear modules that fusion would replace.
-        # The compiled fixed-shape decode traces the model as a GPU runs it: no native CPU ops.
+        # The compiled fixed-shape decode traces the model's layers as a GPU runs them: no fused or prepacked
+        # CPU layers (its attention is the native kernel, one opaque operator).
         cpu_fused = (prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1
                      and static_mode != "compiled" and not merge_projections)
         if cpu_fused:

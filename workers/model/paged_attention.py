@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from workers.cpu.host_memory import lazy_zeros
 from workers.cpu.native_attention import paged_decode as native_paged_decode
+from workers.cpu.native_attention import paged_decode_op as native_paged_decode_op
 from workers.cpu.native_attention import write_kv as native_write_kv
 
 ATTENTION_NAME = "raysample_paged"
@@ -174,6 +175,7 @@ class StaticDecode:
 
     block_tables: torch.Tensor  # (rows, width) pool blocks
     positions: torch.Tensor  # (rows,) the query's absolute position
+    native: bool = False  # attend with the C++ CPU kernel (one opaque operator), as the variable-shape forward does
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
@@ -376,7 +378,14 @@ def paged_attention(
             flat_pool.index_copy_(0, packed_step.write_slots, rows if rows.dtype == flat_pool.dtype
                                   else rows.to(flat_pool.dtype))
         scale = scaling if scaling is not None else head_dim**-0.5
-        out = _static_decode(packed_step.static, query, k_pool, v_pool, scale, softcap, _window(sliding_window), s_aux)
+        static = packed_step.static
+        if static.native:
+            rows = query.shape[2]
+            out = native_paged_decode_op(query[0].transpose(0, 1).contiguous(), k_pool, v_pool, static.block_tables,
+                                         torch.arange(rows, device=query.device).view(rows, 1),
+                                         static.positions.view(rows, 1), scale, softcap, _window(sliding_window), s_aux)
+            return out.unsqueeze(0), None
+        out = _static_decode(static, query, k_pool, v_pool, scale, softcap, _window(sliding_window), s_aux)
         return out, None
     packed_step.seen_kwargs.update(n for n, v in (("sliding_window", sliding_window), ("softcap", softcap),
                                                   ("s_aux", s_aux)) if v is not None)

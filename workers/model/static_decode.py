@@ -14,7 +14,9 @@ single copy, so the same kernels serve every step of a shape:
   step eager, with one line saying why.
 - ``compiled`` (CPU, ``enforce_eager: false``): the same forward under
   ``torch.compile(fullgraph=True)`` with the eager backend, so the ops (and tokens) are the
-  eager ones; it proves the forward has no graph break, no host sync and no branch on a value.
+  eager ones, and with the native decode-attention kernel as one opaque operator
+  (``raysample::paged_decode``) where the variable-shape forward uses it; it proves the forward
+  has no graph break, no host sync and no branch on a value.
   It takes one-token decode steps only, whose tokens then equal the variable-shape forward's.
 - ``eager``: the fixed-shape forward as plain calls (tests, profiling), decode steps only.
 
@@ -211,7 +213,8 @@ class StaticDecoder:
         """The model on the buffer's views for one shape; ``(size, vocab)`` logits in the model's dtype."""
         ids, positions, slots, tables = self.inputs.views(size, width)
         step = PackedStep(cache=self.runner.cache, write_slots=slots, groups=[],
-                          static=StaticDecode(block_tables=tables, positions=positions))
+                          static=StaticDecode(block_tables=tables, positions=positions,
+                                              native=self.runner.native_decode))
         out = self.runner.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                                 logits_to_keep=0, packed_step=step)
         return out.logits[0]

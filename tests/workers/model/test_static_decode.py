@@ -15,6 +15,7 @@ import pytest
 import torch
 from golden_engine import GOLDEN, SETUPS, assert_same_record, run_setup
 
+from workers.cpu import native_attention
 from workers.model.model_runner import ModelRunner
 from workers.model.static_decode import StaticDecoder, capture_sizes, table_widths
 from workers.model.tiny import ensure_tiny_model
@@ -124,6 +125,30 @@ def test_compiled_proof_one_graph_per_shape_and_eager_tokens():
             lengths[i] += 1
         if max(lengths) >= 64:  # keep one table width (4 blocks of 16) for the whole run
             lengths = [len(ids) for ids, _ in rows]
+    assert compiled.static.compiled_graphs == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_compiled_step_attends_with_the_native_kernel_and_equals_its_eager_run_bit_for_bit(dtype, monkeypatch):
+    """On CPU the compiled fixed-shape step calls the C++ decode-attention kernel (one opaque operator),
+    as the default path does, so a bfloat16 answer no longer meets another kernel's rounding; and it
+    computes what the same forward run eagerly computes, bit for bit."""
+    if not native_attention.available():
+        pytest.skip("the native CPU decode attention could not be built here (no C++ compiler)")
+    calls = []
+    kernel = native_attention.paged_decode
+    monkeypatch.setattr(native_attention, "paged_decode", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    compiled = runner(dtype, enforce_eager=False, decode_attention="auto")
+    plain = runner(dtype, decode_attention="auto")
+    fixed = StaticDecoder(plain, "eager", 16)
+    rows = prefilled(compiled, 6, shortest=20)
+    prefilled(plain, 6, shortest=20)
+    for step in range(3):
+        work = decode_work(rows, token=7 + step)
+        calls.clear()
+        got = compiled.forward(work)
+        assert len(calls) == compiled.num_layers  # one kernel call a layer, from inside the compiled graph
+        assert torch.equal(got, fixed.forward(work, fixed.shape(work))), step
     assert compiled.static.compiled_graphs == 1
 
 
