@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 Compute = Callable[[torch.Tensor], torch.Tensor]  # [M, in_features] -> [M, out_features]
 
 _WINDOW_TOPS = (64, 32, 16, 8)  # narrower spans split a prefill too finely: a fixed count does better
-# A fixed count pads every smaller call up to it: 16 costs a decode step of few rows little and
-# splits a long prefill into calls that still run at the kernel's speed.
-_FIXED_COUNTS = (16, 32, 8, 64, 4, 2)
+# A fixed count pads every smaller call up to it and splits a larger one: the one nearest a step's
+# decode rows is tried first (padding a few rows to 64 wastes work; splitting 64 into 16s re-reads weights).
+_FIXED_COUNTS = (64, 32, 16, 8, 4, 2)
 _KEPT_HEAD, _KEPT_TAIL = 16, 4  # rows of each probed count kept for comparison: the first ones and the last ones
 
 
@@ -65,10 +65,14 @@ def probe_counts(limit: int) -> list[int]:
     return sorted(counts)
 
 
-def _candidates(limit: int) -> list[tuple[int, int]]:
-    """Windows to try, best first: the widest that pads nothing, then fixed counts."""
+def _candidates(limit: int, decode_rows: int) -> list[tuple[int, int]]:
+    """Windows to try, best first: the widest that pads nothing, then fixed counts, nearest ``decode_rows`` first."""
     spans = [(low, high) for high in _WINDOW_TOPS for low in (1, 2) if high <= limit]
-    return spans + [(count, count) for count in _FIXED_COUNTS if count <= limit]
+    def distance(count: int) -> tuple[int, int]:
+        return abs(count.bit_length() - decode_rows.bit_length()), -count
+
+    fixed = sorted((c for c in _FIXED_COUNTS if c <= limit), key=distance)
+    return spans + [(count, count) for count in fixed]
 
 
 def run_in_window(compute: Compute, rows: torch.Tensor, window: RowWindow) -> torch.Tensor:
@@ -129,9 +133,10 @@ def _position_free(compute: Compute, x: torch.Tensor, count: int) -> bool:
 
 @torch.inference_mode()
 def find_window(compute: Compute, in_features: int, dtype: torch.dtype, device: torch.device,
-                limit: int) -> RowWindow | None:
+                limit: int, decode_rows: int = 16) -> RowWindow | None:
     """None where ``compute`` gives each row the same bits at every probed count up to ``limit`` and
-    at every position; else the widest window of counts found to agree (one row at a time, if no wider one)."""
+    at every position; else the widest window of counts found to agree (one row at a time, if no wider one).
+    ``decode_rows``: the rows of a typical decode step, which a fixed count is chosen near."""
     counts = probe_counts(limit)
     generator = torch.Generator().manual_seed(2025)
     x = (torch.randn(limit, in_features, generator=generator) * 3).to(dtype=dtype, device=device)
@@ -143,7 +148,7 @@ def find_window(compute: Compute, in_features: int, dtype: torch.dtype, device: 
         varies = not outputs.add(count, compute(x[:count])) or varies
     if not varies and _position_free(compute, x, limit):
         return None
-    for low, high in _candidates(limit):
+    for low, high in _candidates(limit, decode_rows):
         inside = [c for c in counts if low <= c <= high]
         if not outputs.agree(inside):
             continue
@@ -227,10 +232,12 @@ def make_rows_independent(model: nn.Module, max_tokens: int, max_logit_rows: int
             continue
         dtype = module.weight.dtype if type(module) is nn.Linear else module.weight_dtype
         limit = max(1, max_logit_rows if module is head else max_tokens)
-        key = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype), limit)
+        key = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype), limit,
+               max_logit_rows)
         if key not in verdicts:
             verdicts[key] = _stored(store, _host_key(key),
-                                    lambda: find_window(compute, module.in_features, dtype, weight.device, limit))
+                                    lambda: find_window(compute, module.in_features, dtype, weight.device, limit,
+                                                        decode_rows=max(1, max_logit_rows)))
         window = verdicts[key]
         if window is not None:
             _install(module, window)

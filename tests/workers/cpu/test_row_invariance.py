@@ -83,8 +83,10 @@ def test_a_kernel_that_differs_at_every_count_runs_in_a_fixed_count():
         return exact(rows) * (1 + rows.shape[0] * 2**-20) + 0.5**20
 
     window = find_window(compute, 96, torch.float32, CPU, 100)
-    assert window.low == window.high
+    assert window == RowWindow(16, 16)  # near a decode step's rows (16 unless told): little padding, few splits
     assert sweep(windowed(compute, window), x, range(1, 101)) == []
+    assert find_window(compute, 96, torch.float32, CPU, 100, decode_rows=64) == RowWindow(64, 64)
+    assert find_window(compute, 96, torch.float32, CPU, 100, decode_rows=3) == RowWindow(4, 4)
 
 
 def test_a_kernel_whose_bits_depend_on_a_rows_position_is_run_one_row_at_a_time():
