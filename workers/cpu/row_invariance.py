@@ -66,12 +66,11 @@ def probe_counts(limit: int) -> list[int]:
 
 
 def _candidates(limit: int, decode_rows: int) -> list[tuple[int, int]]:
-    """Windows to try, best first: the widest that pads nothing, then fixed counts, nearest ``decode_rows`` first."""
+    """Windows to try, best first: the widest that pads nothing, then fixed counts: the smallest that holds
+    ``decode_rows``, the larger ones, then the smaller ones."""
     spans = [(low, high) for high in _WINDOW_TOPS for low in (1, 2) if high <= limit]
-    def distance(count: int) -> tuple[int, int]:
-        return abs(count.bit_length() - decode_rows.bit_length()), -count
-
-    fixed = sorted((c for c in _FIXED_COUNTS if c <= limit), key=distance)
+    counts = [c for c in _FIXED_COUNTS if c <= limit]
+    fixed = sorted(c for c in counts if c >= decode_rows) + sorted((c for c in counts if c < decode_rows), reverse=True)
     return spans + [(count, count) for count in fixed]
 
 
