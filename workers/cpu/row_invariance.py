@@ -181,11 +181,20 @@ def _install(module: nn.Module, window: RowWindow) -> None:
     module.forward = MethodType(forward, module)
 
 
+# Settings that change which kernel a library picks, besides the CPU itself.
+_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                    "MKL_CBWR")
+
+
 def _host_key(shape: tuple) -> str:
+    """What decides a verdict: the layer's shape, the CPU, torch, the kernel settings, the thread count
+    (a library may split a sum across threads) and this code."""
     from workers.cpu.native_build import _cpu_signature
 
     digest = hashlib.sha256()
-    for part in (repr(shape), torch.__version__, platform.machine(), _cpu_signature(), Path(__file__).read_bytes(),
+    settings = [(name, os.environ.get(name)) for name in _KERNEL_SETTINGS]
+    for part in (repr(shape), torch.__version__, platform.machine(), _cpu_signature(), repr(settings),
+                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), Path(__file__).read_bytes(),
                  (Path(__file__).parent / "cpu_linear.py").read_bytes()):
         digest.update(part if isinstance(part, bytes) else repr(part).encode())
     return digest.hexdigest()[:32]

@@ -178,3 +178,24 @@ def test_seeded_requests_alone_equal_batched_where_a_kernel_changes_with_the_row
     monkeypatch.setattr("workers.model.model_runner.make_rows_independent", lambda *args, **kwargs: {})
     alone, batched = alone_and_batched()
     assert alone != batched  # the fake does change tokens: the probe above is what kept them equal
+
+
+def test_a_kept_verdict_is_read_only_where_the_same_kernels_run(monkeypatch, tmp_path):
+    """A verdict found under other kernel settings or another thread count is not reused."""
+    shape = ("PrepackedLinear", 576, 1536, True, "torch.bfloat16", 2048, 64)
+    key = row_invariance._host_key(shape)
+    assert row_invariance._host_key(shape[:-1] + (16,)) != key
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert row_invariance._host_key(shape) != key
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert row_invariance._host_key(shape) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert row_invariance._host_key(shape) == key
+    found = []
+    window = row_invariance._stored(tmp_path, key, lambda: found.append(1) or RowWindow(8, 32))
+    assert window == row_invariance._stored(tmp_path, key, lambda: found.append(1) or None) == RowWindow(8, 32)
+    assert found == [1]  # probed once, read back the second time
