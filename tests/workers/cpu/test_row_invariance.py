@@ -199,3 +199,18 @@ def test_a_kept_verdict_is_read_only_where_the_same_kernels_run(monkeypatch, tmp
     window = row_invariance._stored(tmp_path, key, lambda: found.append(1) or RowWindow(8, 32))
     assert window == row_invariance._stored(tmp_path, key, lambda: found.append(1) or None) == RowWindow(8, 32)
     assert found == [1]  # probed once, read back the second time
+
+
+def test_seeded_requests_alone_equal_batched_with_the_compiled_decode_step():
+    """``enforce_eager: false`` on CPU runs torch's own linears (MKL here, whose rows vary with the count) in
+    the compiled fixed-shape decode and the variable-shape prefill: windowed too, alone equals batched."""
+    config = {"model": {"tiny": "default", "max_model_len": 128, "enforce_eager": False},
+              "scheduler": {"max_num_seqs": 8}}
+    prompts = [f"request {i} " + "word " * (3 + 2 * i) for i in range(6)]
+    params = [SamplingParams(seed=i, temperature=1.0, max_tokens=10, ignore_eos=True) for i in range(6)]
+    engine = LocalEngine(config)
+    try:
+        batched = [o.token_ids for o in engine.generate(prompts, params)]
+        assert [engine.generate(p, s)[0].token_ids for p, s in zip(prompts, params)] == batched
+    finally:
+        engine.shutdown()
