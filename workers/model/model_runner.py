@@ -321,7 +321,11 @@ class ModelRunner:
 
     def _batches(self, rows: list[RowWork], spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """Prefill chunks (and long verification rows) in padded batches whose mask stays under
-        ``MASK_LIMIT`` entries."""
+        ``MASK_LIMIT`` entries. On CPU each row alone: torch's CPU attention blocks a padded batch's
+        queries by the longest row, so a row's bits would depend on its neighbours (and a row alone
+        pads nothing)."""
+        if self.device.type == "cpu":
+            return [[span] for span in spans]
         batches: list[list[tuple[int, int, int]]] = []
         current: list[tuple[int, int, int]] = []
         queries = keys = 0
