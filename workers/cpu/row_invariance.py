@@ -7,8 +7,8 @@ bfloat16 kernel changes at 33 rows (LM-head shapes also at 48, 63, 64, 65, 100, 
 GEMM (``torch.nn.functional.linear`` on an AMD EPYC) gives a row other bits at almost every count.
 
 So each linear shape of a loaded model is probed at start-up, on its own kernel, over the row counts
-a step can give it (every count to 16, then around each power of two, up to the most rows it can
-see). Where some row's output changes with the count, the layer is run only in row counts that the
+a step can give it (every count up to a decode step's rows, then around each power of two, up to the
+most rows it can see). Where some row's output changes with the count, the layer is run only in row counts that the
 probe found to agree, a ``RowWindow``: fewer rows are padded with zeros, more are split into windows.
 A row then meets the same kernel at any count, by construction (one row at a time always qualifies).
 The probe also checks that a row's bits do not depend on its position within a call. Verdicts are
@@ -53,10 +53,11 @@ class RowWindow:
     high: int
 
 
-def probe_counts(limit: int) -> list[int]:
-    """Row counts to try, ascending: all to 16, then each power of two, one below and above it and
-    halfway to the next (where kernels change blocking), and ``limit`` itself."""
-    counts = set(range(1, min(limit, 16) + 1))
+def probe_counts(limit: int, every_to: int = 16) -> list[int]:
+    """Row counts to try, ascending: every one to ``every_to`` (a decode step's rows; at least 16), then
+    each power of two, one below and above it and halfway to the next (where kernels change blocking),
+    and ``limit`` itself."""
+    counts = set(range(1, min(limit, max(16, every_to)) + 1))
     power = 16
     while power <= limit:
         counts.update(c for c in (power - 1, power, power + 1, power + power // 2) if c <= limit)
@@ -135,8 +136,9 @@ def find_window(compute: Compute, in_features: int, dtype: torch.dtype, device: 
                 limit: int, decode_rows: int = 16) -> RowWindow | None:
     """None where ``compute`` gives each row the same bits at every probed count up to ``limit`` and
     at every position; else the widest window of counts found to agree (one row at a time, if no wider one).
-    ``decode_rows``: the rows of a typical decode step, which a fixed count is chosen near."""
-    counts = probe_counts(limit)
+    ``decode_rows``: the most rows a decode step samples: every count up to it is probed, and a fixed
+    count is chosen to hold it."""
+    counts = probe_counts(limit, decode_rows)
     generator = torch.Generator().manual_seed(2025)
     x = (torch.randn(limit, in_features, generator=generator) * 3).to(dtype=dtype, device=device)
     outputs = _Outputs()

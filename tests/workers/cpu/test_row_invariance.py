@@ -58,6 +58,7 @@ def windowed(compute, window: RowWindow | None):
 
 def test_probe_counts_cover_every_small_count_and_each_kernel_boundary():
     assert probe_counts(20) == [*range(1, 18), 20]
+    assert probe_counts(300, every_to=100)[:100] == list(range(1, 101))  # every count a decode step can have
     counts = probe_counts(2048)
     assert {31, 32, 33, 48, 63, 64, 65, 1023, 1024, 1025, 2047, 2048} <= set(counts) and max(counts) == 2048
 
