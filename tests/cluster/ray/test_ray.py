@@ -395,9 +395,12 @@ def test_every_worker_killed_fails_pending_requests_clearly_and_the_next_run_ret
         return load_config(base_config(cluster={"num_workers": 2, "max_worker_replacements": 0,
                                                 "coordinator_name": name}, speculative=None))
 
+    # Short and long requests: the first result (a short one) is polled while the long ones still run, however
+    # late the job polls. With equal lengths a whole wave could finish before the first poll, leaving none running.
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"id": i, "prompt": f"retry {i}", "sampling_params":
-                                          {"max_tokens": 40, "ignore_eos": True, "temperature": 1.0}}) + "\n"
+                                          {"max_tokens": 8 if i % 2 == 0 else 120, "ignore_eos": True,
+                                           "temperature": 1.0}}) + "\n"
                               for i in range(12)))
     output = tmp_path / "out.jsonl"
     engine = Engine.from_config(config("retry-first"))
