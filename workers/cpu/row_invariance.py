@@ -222,13 +222,20 @@ def _stored(store: Path | None, key: str, find: Callable[[], RowWindow | None]) 
     return window
 
 
+def _bucket(rows: int) -> int:
+    """``rows`` up to a power of two (16 at least): configurations of nearby sizes share one verdict,
+    probed over a few more counts than either needs."""
+    return max(16, 1 << (max(1, rows) - 1).bit_length())
+
+
 def make_rows_independent(model: nn.Module, max_tokens: int, max_logit_rows: int,
                           store: Path | None = None) -> dict[str, RowWindow]:
     """Probe every CPU linear of ``model`` (prepacked or plain) and run the ones whose rows depend on
     the row count in a window; returns the windows installed, by module name.
 
     ``max_tokens``: the most rows a layer inside the model sees (a step's token budget);
-    ``max_logit_rows``: the most the output embedding (LM head) sees, one per row that samples.
+    ``max_logit_rows``: the most the output embedding (LM head) sees, one per row that samples. Both
+    are rounded up to a power of two, so that nearby configurations share their verdicts.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     verdicts: dict[tuple, RowWindow | None] = {}
@@ -241,13 +248,14 @@ def make_rows_independent(model: nn.Module, max_tokens: int, max_logit_rows: int
         if weight.device.type != "cpu":
             continue
         dtype = module.weight.dtype if type(module) is nn.Linear else module.weight_dtype
-        limit = max(1, max_logit_rows if module is head else max_tokens)
+        decode_rows = _bucket(max_logit_rows)
+        limit = _bucket(max_logit_rows if module is head else max(max_tokens, max_logit_rows))
         key = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype), limit,
-               max_logit_rows)
+               decode_rows)
         if key not in verdicts:
             verdicts[key] = _stored(store, _host_key(key),
                                     lambda: find_window(compute, module.in_features, dtype, weight.device, limit,
-                                                        decode_rows=max(1, max_logit_rows)))
+                                                        decode_rows=decode_rows))
         window = verdicts[key]
         if window is not None:
             _install(module, window)
