@@ -27,10 +27,17 @@ BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each socket stays bound until all are picked (one at a time, the
+    system handed the same port out twice and `ray start` refused it)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,7 @@ def ray_head(tmp_path_factory):
     base["RAY_AUTH_TOKEN_PATH"] = str(token)  # this test's own token, wherever HOME is
     # Ports of its own: Ray's fixed defaults (the dashboard agent's 52365, the client server's 10001) are taken
     # by whichever cluster on this host started first, and a head without its agent takes no job.
-    port, dashboard, agent, client = free_port(), free_port(), free_port(), free_port()
+    port, dashboard, agent, client = free_ports(4)
     temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths live under it
     start = subprocess.run(
         [RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=4",
