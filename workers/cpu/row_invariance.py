@@ -95,7 +95,6 @@ class _Outputs:
 
     def __init__(self) -> None:
         self.by_count: dict[int, dict[int, torch.Tensor]] = {}
-
         self.first: dict[int, torch.Tensor] = {}
 
     def add(self, count: int, out: torch.Tensor) -> bool:
