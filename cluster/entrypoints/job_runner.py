@@ -20,6 +20,8 @@ from coordinator.intake.prefix_order import prefix_order
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 
+DRAIN_S = 30.0  # how long a stopped engine's in-flight results are awaited before the job ends without them
+
 
 def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, output_path: Path,
             max_in_flight: int, show: int = 0, log_every_s: float = 10.0,
@@ -99,6 +101,8 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
             return [window[i] for i in prefix_order([next(iter(parts_of(e.prompt)), None) for e in window])]
 
         ready: deque[Parsed] = deque()
+        stopped: Exception | None = None  # the engine's refusal of a submit, raised once in-flight lines are written
+        drain_until = 0.0
         while not exhausted or ready or in_flight:
             batch: list[Parsed] = []
             while len(in_flight) + len(batch) < max_in_flight:
@@ -112,10 +116,21 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                             for line in [InFlight(e.rid, e.context, e.digest, [None] * len(parts_of(e.prompt)),
                                                   e.line_no)]
                             for i, (part_id, part) in enumerate(zip(part_ids(e.rid, e.prompt), parts_of(e.prompt)))]
-                ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
-                                          [r[0] for r in requests], final_only=True)
-                in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
+                try:
+                    ids = backend.submit_many([r[1] for r in requests], [r[2] for r in requests],
+                                              [r[0] for r in requests], final_only=True)
+                except Exception as exc:
+                    if not in_flight:
+                        raise
+                    # The engine refuses more (it stopped): what it was running has failed with the reason, and
+                    # those records are written before the job ends; the lines never submitted get none.
+                    stopped, exhausted, drain_until = exc, True, time.monotonic() + DRAIN_S
+                    ready.clear()
+                else:
+                    in_flight.update({eid: r[3] for eid, r in zip(ids, requests)})
             if in_flight:
+                if stopped is not None and time.monotonic() > drain_until:
+                    break
                 for out in backend.poll(list(in_flight), 1.0, True):
                     if counters.first_result is None:
                         counters.first_result = time.monotonic()
@@ -142,6 +157,8 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                         print(f"[raysample] {rid!r} ({out.finish_reason.value}): {shown_text}", flush=True)
                     progress.advance()
     progress.close()
+    if stopped is not None:
+        raise stopped
     return counters
 
 

@@ -136,6 +136,50 @@ def test_engine_failures_are_retried_by_the_next_run(config, backend, tmp_path, 
     assert len(ok) == 4
 
 
+class StoppingBackend(FlakyBackend):
+    """Stops as the Ray engine does when its last worker dies, at the first results: every pending request
+    fails (retryable) and every later submit is refused, whichever of the two the job meets first."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        super().__init__(inner, set())
+        self.stopped = False
+
+    def submit_many(self, prompts, params, request_ids=None, final_only=False):
+        if self.stopped:
+            raise RuntimeError("all raysample workers are gone; pending requests cannot be served")
+        return super().submit_many(prompts, params, request_ids, final_only)
+
+    def poll(self, request_ids, timeout_s, finished_only=True):
+        if self.stopped:
+            return super().poll(request_ids, timeout_s, finished_only)
+        outs = super().poll(request_ids, timeout_s, finished_only)
+        if outs:
+            self.stopped = True
+            self.inner._buffer(self.inner.coordinator.fail_all("all raysample workers are gone"))
+        return outs
+
+
+def test_a_submit_refused_by_a_stopped_engine_still_writes_what_was_running(config, backend, tmp_path):
+    """The race a Ray test met: the job's next submit, not its next poll, was the first to see the engine stop."""
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": f"stop {i}", "sampling_params":
+                                          {"max_tokens": 2 if i == 0 else 40, "ignore_eos": True}}) + "\n"
+                              for i in range(10)))
+    output = tmp_path / "out.jsonl"
+    engine = LocalEngine(config)
+    with pytest.raises(RuntimeError, match="all raysample workers are gone"):
+        run_job(config, StoppingBackend(engine), source, output, max_in_flight=4)
+    first = records(output)
+    done, failed = [r for r in first if r["error"] is None], [r for r in first if r["error"]]
+    # The short line finished; the three still running were written as failed and retryable; the six lines
+    # never submitted have no record.
+    assert [r["id"] for r in done] == [0] and sorted(r["id"] for r in failed) == [1, 2, 3]
+    assert all(r["retryable"] and "workers are gone" in r["error"] for r in failed)
+    engine.shutdown()
+    second = run_job(config, backend, source, output, max_in_flight=4)
+    assert second.skipped == 1 and second.done == 9 and second.errors == 0
+
+
 def test_a_second_writer_of_the_same_output_fails_at_once(tmp_path):
     output = tmp_path / "out.jsonl"
     held = lock_output(output)
