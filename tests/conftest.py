@@ -15,6 +15,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # helper
 RAY_FOLDER = "tests/cluster/ray/"  # every test in it is on Ray
 
 
+def share_cores_between_xdist_workers() -> None:
+    """Under ``-n N`` the N workers run side by side: each runs torch on its share of the cores, as a
+    Ray worker does, instead of every worker's OpenMP team on every core. On 2 cores and ``-n 2``,
+    two threads each cost a third more CPU for the same tests (OpenMP teams waiting on each other on
+    oversubscribed cores), and the suite is CPU-bound. Child processes (the job CLI, Ray's workers)
+    inherit the setting; a worker sized by ``cluster.cpus_per_worker`` still takes its share."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // count)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+share_cores_between_xdist_workers()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ray: starts or joins a Ray cluster")
 
