@@ -11,12 +11,24 @@ from coordinator.spec.ngram_drafter import NgramDrafter
 from processors import SamplingParams
 
 
-def coordinator_inputs(config: Any) -> tuple[Any, ModelInfo]:
-    """The tokenizer and what the coordinator needs of the model, ready before the workers are."""
+def load_tokenizer(facts: Any) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(facts.tokenizer, trust_remote_code=facts.trust_remote_code)
+
+
+def shippable_tokenizer(facts: Any) -> Any | None:
+    """The tokenizer, loaded where the run starts, for a coordinator in another process to unpickle: loading
+    it there reads the model's config and imports transformers' model-loading code (about 1.3 s of CPU
+    more than unpickling it). None for trust_remote_code, whose classes only their own loader imports."""
+    return None if facts.trust_remote_code else load_tokenizer(facts)
+
+
+def coordinator_inputs(config: Any, tokenizer: Any = None) -> tuple[Any, ModelInfo]:
+    """The tokenizer (``tokenizer``, or loaded here) and what the coordinator needs of the model, ready
+    before the workers are."""
     facts = config.facts
-    tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer, trust_remote_code=facts.trust_remote_code)
+    tokenizer = load_tokenizer(facts) if tokenizer is None else tokenizer
     return tokenizer, ModelInfo.of(facts, tokenizer)
 
 

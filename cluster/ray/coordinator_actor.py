@@ -13,13 +13,13 @@ class CoordinatorActor:
     """Hosts the ``cluster.ray.step_loop.StepLoop`` step loop; many callers at once."""
 
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
-                 kv_note: str | None = None) -> None:
+                 kv_note: str | None = None, tokenizer: Any = None) -> None:
         from cluster.quiet import quiet_libraries, quiet_teardown
         from cluster.ray.step_loop import StepLoop
 
         quiet_teardown()
         quiet_libraries()
-        self.core = StepLoop(config, placement, workers, kv_note)
+        self.core = StepLoop(config, placement, workers, kv_note, tokenizer)
 
     def ready(self) -> bool:
         return self.core.ready()

@@ -87,6 +87,7 @@ class EngineHandle(RequestAPI):
         """One engine, on a Ray already joined, under the config's (set) name. ``kv_note``: where its
         workers' KV budget came from (``cluster.memory``), for the start-up line."""
         from cluster.ray.coordinator_actor import CoordinatorActor
+        from coordinator.factory import shippable_tokenizer
 
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         if _engine_exists(name, namespace):
@@ -102,10 +103,11 @@ class EngineHandle(RequestAPI):
             raise EngineError(str(exc)) from None
         # The coordinator lives on this driver's node: losing another node never takes it down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        tokenizer = shippable_tokenizer(config.facts)
         try:
             actor = CoordinatorActor.options(
                 name=name, namespace=namespace, num_cpus=0, scheduling_strategy=here,
-            ).remote(config, placement, workers, kv_note)
+            ).remote(config, placement, workers, kv_note, tokenizer)
         except _NAME_TAKEN:  # started by another driver since the check above
             _release(placement, workers)
             raise _name_taken(name, namespace) from None

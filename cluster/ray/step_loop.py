@@ -48,14 +48,15 @@ class StepLoop:
     overlap_outputs: bool | None = None
 
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
-                 kv_note: str | None = None) -> None:
+                 kv_note: str | None = None, tokenizer: Any = None) -> None:
         """``placement`` / ``workers``: already launched by the driver (``Engine.start`` does, so the
         workers load while this process starts); else this process launches them. ``kv_note``: where
-        the workers' KV budget came from (``cluster.memory``)."""
+        the workers' KV budget came from (``cluster.memory``). ``tokenizer``: loaded by the driver
+        (``coordinator.factory.shippable_tokenizer``), else loaded here."""
         self.config = config  # resolved by the driver (cluster.config.resolve): nothing here reloads it
         self.timeout_s = self.config.cluster.call_timeout_s
         # The tokenizer loads while the workers load the weights.
-        inputs = in_background(coordinator_inputs, self.config, name="raysample-coordinator-inputs")
+        inputs = in_background(coordinator_inputs, self.config, tokenizer, name="raysample-coordinator-inputs")
         self.executor = RayExecutor(self.config, placement, workers)
         num_blocks, block_size = self.executor.start()
         round_trip_s = self.executor.round_trip_s()
