@@ -1,4 +1,5 @@
-"""The batch job end to end through its command line (subprocess, tiny model, in-process engine)."""
+"""The batch job end to end through its command line (the console script and ``python -m`` as processes,
+``main`` in this process where only what the job writes is checked; tiny model, in-process engine)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def run_cli(*args: str, module: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The job's ``main`` in this process, for runs whose point is what the job does, not how its process
+    starts or ends (the console script and ``python -m`` run as processes in the other tests here)."""
+    from cluster.entrypoints.job import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["raysample", *args], code, out, err)
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -105,16 +116,19 @@ def test_generate_writes_results_and_error_records(job_files):
     assert all(r["error"][:40] in line for r, line in zip(written, shown)), (written, shown)
 
 
-def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_files):
+def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_files, capsys):
+    import ray
+
     config, source, output = job_files
-    first = run_cli("generate", "--config", str(config), "--input", str(source), "--output", str(output), "--local",
-                    module=True)
+    first = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
+                     "--local")
     assert first.returncode == 0, first.stderr[-3000:]
     complete = records(output)
     # Keep 7 records and a torn eighth, as if the job had been killed mid-write.
     lines = output.read_text().splitlines(keepends=True)
     output.write_text("".join(lines[:7]) + lines[7][: len(lines[7]) // 2])
-    second = run_cli("generate", "--config", str(config), "--input", str(source), "--output", str(output), "--local")
+    second = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
+                      "--local")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = records(output)
     results = [json.dumps(r["id"]) for r in resumed if "line" not in r]  # one per request, error lines aside
@@ -125,9 +139,10 @@ def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_fil
     assert same == again  # seeded and greedy requests regenerate identically
     # Finished: a re-run (on Ray, without --local) reads the output and stops before starting anything.
     before = output.read_text()
-    third = run_cli("generate", "--config", str(config), "--input", str(source), "--output", str(output))
+    third = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output))
     assert third.returncode == 0, third.stderr[-3000:]
     assert "nothing to do" in third.stdout and "starting" not in third.stdout and "Ray" not in third.stderr
+    assert not ray.is_initialized()
     assert output.read_text() == before
 
 
