@@ -150,15 +150,17 @@ def records_from_lines(lines: list[str]) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def test_job_level_failures_exit_non_zero(tmp_path, job_files):
+def test_job_level_failures_exit_non_zero(tmp_path, job_files, capsys):
     config, source, output = job_files
     missing = run_cli("generate", "--config", str(tmp_path / "nope.yaml"), "--input", str(source), "--output", str(output))
-    assert missing.returncode == 2 and "cannot read config" in missing.stderr
+    assert missing.returncode == 2 and "cannot read config" in missing.stderr  # the process's own exit status
     bad_config = tmp_path / "bad.yaml"
     bad_config.write_text("model: {tiny: default}\nscheduler: {max_num_seqs: -3}\n")
-    invalid = run_cli("generate", "--config", str(bad_config), "--input", str(source), "--output", str(output), "--local")
+    invalid = run_main(capsys, "generate", "--config", str(bad_config), "--input", str(source), "--output", str(output),
+                       "--local")
     assert invalid.returncode == 2 and "scheduler.max_num_seqs" in invalid.stderr
-    no_input = run_cli("generate", "--config", str(config), "--input", str(tmp_path / "none.jsonl"), "--output", str(output))
+    no_input = run_main(capsys, "generate", "--config", str(config), "--input", str(tmp_path / "none.jsonl"),
+                        "--output", str(output))
     assert no_input.returncode == 2 and "does not exist" in no_input.stderr
 
 
