@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -22,6 +23,18 @@ def tiny_job_config() -> dict:
     config["cache"]["kv_cache_memory"] = "16MiB"
     config["defaults"] = {"max_tokens": 32, "temperature": 0.8, "top_p": 0.95}
     return config
+
+
+def run_job_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The job's ``main`` (``raysample`` from its argument list) in the test's process, for runs whose point
+    is what the job writes, not how its process starts or ends: no torch import and engine start of a
+    process of its own. The console script and ``python -m`` run as processes where exits matter."""
+    from cluster.entrypoints.job import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["raysample", *args], code, out, err)
 
 
 def ctrl_c_reaches_it() -> None:

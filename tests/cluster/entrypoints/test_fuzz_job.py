@@ -11,16 +11,15 @@ from pathlib import Path
 import fuzz_lines
 import pytest
 import yaml
+from helpers import run_job_main
 
 pytest.importorskip("logits_processor_zoo", reason="the optional 'zoo' extra is not installed")
 
 
 def run(capsys, config: Path, source: Path, output: Path) -> None:
-    from cluster.entrypoints.job import main
-
-    code = main(["generate", "--config", str(config), "--input", str(source), "--output", str(output), "--local"])
-    err = capsys.readouterr().err
-    assert code == 0, err[-3000:]
+    done = run_job_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
+                        "--local")
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ctrl_c_reaches_it, tiny_job_config
+from helpers import ctrl_c_reaches_it, run_job_main, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -267,21 +267,18 @@ def test_ctrl_c_or_sigterm_while_torch_loads_is_one_line(tmp_path):
 
 def test_a_torn_record_mid_file_is_set_aside_and_its_line_runs_again(tmp_path, capsys):
     """The job's main in this process (what is checked is what it writes, not how its process ends)."""
-    from cluster.entrypoints.job import main
-
     config = tiny_job_config()
     lines = long_lines(6)
     args, output = cli_job(tmp_path, config, lines, "--local")
     argv = args[args.index("generate"):]
-    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    first = run_job_main(capsys, *argv)
+    assert first.returncode == 0, first.stderr[-2000:]
     clean = output.read_text().splitlines()
     torn = clean[2][: len(clean[2]) // 2]  # cut mid-record, the rest of the file after it
     output.write_text("\n".join([*clean[:2], torn, *clean[3:]]) + "\n")
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 0, err[-2000:]
-    assert err.count("torn record") == 1 and "1 torn record(s)" in err, err[-2000:]
+    again = run_job_main(capsys, *argv)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stderr.count("torn record") == 1 and "1 torn record(s)" in again.stderr, again.stderr[-2000:]
     assert (tmp_path / "out.jsonl.rejected").read_text() == torn + "\n"
     records = [json.loads(line) for line in output.read_text().splitlines()]  # valid JSONL throughout
     assert sorted(r["id"] for r in records) == list(range(6))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ctrl_c_reaches_it, tiny_job_config
+from helpers import ctrl_c_reaches_it, run_job_main, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,16 +54,6 @@ def job_files(tmp_path):
 def run_cli(*args: str, module: bool = False) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "cluster.entrypoints.job"] if module else [str(Path(sys.executable).parent / "raysample")]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-
-def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
-    """The job's ``main`` in this process, for runs whose point is what the job does, not how its process
-    starts or ends (the console script and ``python -m`` run as processes in the other tests here)."""
-    from cluster.entrypoints.job import main
-
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["raysample", *args], code, out, err)
 
 
 def records(path: Path) -> list[dict]:
@@ -120,14 +110,14 @@ def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_fil
     import ray
 
     config, source, output = job_files
-    first = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
+    first = run_job_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
                      "--local")
     assert first.returncode == 0, first.stderr[-3000:]
     complete = records(output)
     # Keep 7 records and a torn eighth, as if the job had been killed mid-write.
     lines = output.read_text().splitlines(keepends=True)
     output.write_text("".join(lines[:7]) + lines[7][: len(lines[7]) // 2])
-    second = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
+    second = run_job_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output),
                       "--local")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = records(output)
@@ -139,7 +129,7 @@ def test_resume_after_partial_output_gives_each_id_once_and_same_results(job_fil
     assert same == again  # seeded and greedy requests regenerate identically
     # Finished: a re-run (on Ray, without --local) reads the output and stops before starting anything.
     before = output.read_text()
-    third = run_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output))
+    third = run_job_main(capsys, "generate", "--config", str(config), "--input", str(source), "--output", str(output))
     assert third.returncode == 0, third.stderr[-3000:]
     assert "nothing to do" in third.stdout and "starting" not in third.stdout and "Ray" not in third.stderr
     assert not ray.is_initialized()
@@ -156,10 +146,10 @@ def test_job_level_failures_exit_non_zero(tmp_path, job_files, capsys):
     assert missing.returncode == 2 and "cannot read config" in missing.stderr  # the process's own exit status
     bad_config = tmp_path / "bad.yaml"
     bad_config.write_text("model: {tiny: default}\nscheduler: {max_num_seqs: -3}\n")
-    invalid = run_main(capsys, "generate", "--config", str(bad_config), "--input", str(source), "--output", str(output),
+    invalid = run_job_main(capsys, "generate", "--config", str(bad_config), "--input", str(source), "--output", str(output),
                        "--local")
     assert invalid.returncode == 2 and "scheduler.max_num_seqs" in invalid.stderr
-    no_input = run_main(capsys, "generate", "--config", str(config), "--input", str(tmp_path / "none.jsonl"),
+    no_input = run_job_main(capsys, "generate", "--config", str(config), "--input", str(tmp_path / "none.jsonl"),
                         "--output", str(output))
     assert no_input.returncode == 2 and "does not exist" in no_input.stderr
 

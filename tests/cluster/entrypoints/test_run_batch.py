@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import yaml
-from helpers import tiny_job_config
+from helpers import run_job_main, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -83,9 +83,7 @@ def test_run_batch_chat_completions_errors_and_resume(tmp_path, capsys):
     assert bad_json["response"]["status_code"] == 400 and "not valid JSON" in bad_json["error"]
 
     # Finished: the resume adds nothing (its main in this process; the console script ran above).
-    from cluster.entrypoints.job import main
-
-    again = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--config",
-                  str(tmp_path / "config.yaml"), "--local", "--served-model-name", "tiny"])
-    assert again == 0, capsys.readouterr().err[-3000:]
+    again = run_job_main(capsys, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                         "--config", str(tmp_path / "config.yaml"), "--local", "--served-model-name", "tiny")
+    assert again.returncode == 0, again.stderr[-3000:]
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == len(LINES)
