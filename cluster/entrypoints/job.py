@@ -158,6 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # SIGTERM while ray.init ran: Ray's handler (sys.exit(15)) held the signal for that moment
         return interrupted(Terminated(), args)
+    except Exception as exc:
+        cause = interrupt_behind(exc)
+        if cause is None:
+            raise
+        return interrupted(cause, args)
+
+
+def interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that ``exc`` was raised while unwinding, if any. An interrupt landing
+    inside ``threading``'s own locking (``Thread.start`` waiting for the thread: the job starts its
+    tokenizer thread as the engine starts) leaves the lock half released, and the ``with`` around it
+    raises ``RuntimeError: release unlocked lock`` over the interrupt: that is still the interrupt."""
+    seen: set[int] = set()
+    context = exc.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, KeyboardInterrupt):
+            return context
+        seen.add(id(context))
+        context = context.__context__
+    return None
 
 
 def cli() -> NoReturn:

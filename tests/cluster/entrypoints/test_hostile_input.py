@@ -64,6 +64,34 @@ def test_a_50_mb_line_costs_no_memory_and_no_time(tmp_path):
     assert elapsed < 60, elapsed  # tokenizing it first took 75 s and 9 GiB
 
 
+def test_an_error_raised_over_an_interrupt_is_the_interrupt(tmp_path, capsys, monkeypatch):
+    """Ctrl-C inside ``Thread.start`` (the job starts its tokenizer thread while the engine starts) made
+    CPython raise ``RuntimeError: release unlocked lock`` over the KeyboardInterrupt: a traceback and
+    exit 1 instead of the resume hint and 130 (seen once in CI). An error with no interrupt behind it
+    still propagates."""
+    from cluster.entrypoints import job as job_module
+
+    def interrupted_in_threading(args):
+        try:
+            raise job_module.Terminated() if str(args.output).endswith("term.jsonl") else KeyboardInterrupt()
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock")  # as threading raises it, over the interrupt
+
+    monkeypatch.setattr(job_module, "_run", interrupted_in_threading)
+    base = ["generate", "--config", "c.yaml", "--input", "in.jsonl", "--output"]
+    assert job_module.main([*base, str(tmp_path / "int.jsonl")]) == 130
+    assert job_module.main([*base, str(tmp_path / "term.jsonl")]) == 143
+    err = capsys.readouterr().err
+    assert err.count("Re-running the same command resumes") == 2 and "Traceback" not in err, err
+
+    def plain_error(args):
+        raise RuntimeError("a real failure")
+
+    monkeypatch.setattr(job_module, "_run", plain_error)
+    with pytest.raises(RuntimeError, match="a real failure"):
+        job_module.main([*base, str(tmp_path / "out.jsonl")])
+
+
 def test_ctrl_c_while_the_engine_starts_exits_130_with_the_resume_hint(tmp_path):
     args, _ = job(tmp_path, [json.dumps({"id": 1, "prompt": "Hi"}).encode()])
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
