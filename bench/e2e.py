@@ -128,8 +128,8 @@ class StepTimers:
         self._wrap(paged, "native_paged_decode", "attention")  # the decode-attention kernel (C++, CPU)
         self._wrap(worker.runner, "forward", "forward")
         self._wrap(worker, "sampler", "sampler", call=True)
-        self._wrap(engine.coordinator, "next_plan", "coordinator")
-        self._wrap(engine.coordinator, "process", "coordinator")
+        for step in ("next_plan", "accept_step", "take_outputs", "decode_ahead"):  # the coordinator's part of a step
+            self._wrap(engine.coordinator, step, "coordinator")
         started: list[float] = []
         for module in worker.runner.model.modules():
             if isinstance(module, nn.Linear) or type(module).__name__ == "PrepackedLinear":
