@@ -104,6 +104,14 @@ inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, in
   }
 }
 
+// A block's slice of one KV head (`elems` bfloat16 values, contiguous) into L1 while the block
+// before it is used: the hardware prefetchers do not follow a row's table from block to block.
+template <typename T>
+inline void prefetch_slice(const T* slice, int64_t elems) {
+  const char* bytes = reinterpret_cast<const char*>(slice);
+  for (int64_t b = 0; b < elems * static_cast<int64_t>(sizeof(T)); b += kLine) __builtin_prefetch(bytes + b);
+}
+
 // The real queries of one row (padding queries, position -1, come last) and the keys they may see.
 struct QuerySpan {
   int64_t nq = 0, max_pos = -1, first = 0, length = 0;
@@ -129,8 +137,13 @@ inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t wi
 // pools at position 100, bfloat16 15.9 -> 12.8 ms (float32 12% less; one task ahead gained less);
 // inside the model's forward at position 200 (bench/cpu_ops.py), where the linears' weight reads
 // share the memory bandwidth, bfloat16 25.8 -> 23.1 ms and float32 38.9 -> 36.1 ms.
-// A task is one row's queries against one KV head: `kTasksAhead` tasks on, its keys and values go
-// to L2 (prefetcht1) while this one computes; a thread's first tasks go to L1.
+// A task is one row's queries against one KV head: `kTasksAhead` tasks on, the keys and values of
+// its first block go to L2 (prefetcht1) while this one computes (a thread's first tasks to L1),
+// and within a task each next block is fetched into L1 while the one before it is read
+// (prefetch_slice). Fetching whole tasks ahead instead, hundreds of prefetches in a burst, cost
+// more than it saved on an Intel AVX-512 Xeon (2 cores, KVM): there, per 64-row forward at
+// position 200 (30 layers, alternating builds), the kernel went bfloat16 35.8 -> 26.9 ms and
+// float32 56.0 -> 41.9 ms with this and the other changes of that commit; identical outputs.
 constexpr int64_t kTasksAhead = 2;
 
 template <int Locality>
@@ -141,12 +154,10 @@ inline void prefetch_task(const char* k_pool, const char* v_pool, int64_t elemen
   // GCC counts prefetches as no effect, and would drop a call that has nothing else.
   asm volatile("");
   const int64_t slice_bytes = s.block_size * s.head_dim * element_size;
-  for (int64_t b = span.first / s.block_size; b <= span.max_pos / s.block_size; ++b) {
-    const int64_t offset = (table[b] * s.kv_heads + h) * slice_bytes;
-    for (int64_t o = 0; o < slice_bytes; o += kLine) {
-      __builtin_prefetch(k_pool + offset + o, 0, Locality);
-      __builtin_prefetch(v_pool + offset + o, 0, Locality);
-    }
+  const int64_t offset = (table[span.first / s.block_size] * s.kv_heads + h) * slice_bytes;
+  for (int64_t o = 0; o < slice_bytes; o += kLine) {
+    __builtin_prefetch(k_pool + offset + o, 0, Locality);
+    __builtin_prefetch(v_pool + offset + o, 0, Locality);
   }
 }
 
@@ -206,13 +217,21 @@ inline void softmax_rows(float* scores, int64_t length, const QuerySpan& span, c
     const int64_t hi = pos + 1 - span.first;
     for (int64_t g = 0; g < groups; ++g) {
       float* row = scores + (i * groups + g) * length;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t t = lo; t < hi; ++t) {
-        float value = row[t] * scale;
-        if (softcap > 0.0f) value = std::tanh(value / softcap) * softcap;
-        row[t] = value;
-        top = std::max(top, value);
+      if (softcap > 0.0f) {
+        for (int64_t t = lo; t < hi; ++t) {
+          const float value = row[t] * scale;
+          row[t] = std::tanh(value / softcap) * softcap;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t t = lo; t < hi; ++t) row[t] *= scale;
       }
+      // The largest score, as its own reduction: carried through the loop above, the max was a
+      // chain of dependent scalar steps (a quarter of a decode call's time on an AVX-512 Xeon).
+      // The max is exact in any order; a NaN score makes the slot's output NaN either way.
+      float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+      for (int64_t t = lo; t < hi; ++t) top = top > row[t] ? top : row[t];
       const float sink = sinks ? sinks[h * groups + g] : -std::numeric_limits<float>::infinity();
       top = std::max(top, sink);
       float total = sinks ? std::exp(sink - top) : 0.0f;
@@ -241,6 +260,9 @@ inline void store_outputs(Q* out, const float* sums, const Shape& s, const int64
     }
 }
 
+// Scratch: a task's buffers (queries, scores, sums) are thread_local vectors that keep their
+// capacity between tasks and calls: allocating and freeing them per task took about 5% of a
+// 64-row decode call (malloc and free in perf, on an AVX-512 Xeon).
 // T: the pools' element type; Q: the queries' and the output's (the model's dtype).
 template <typename T, typename Q>
 void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, const Shape& s, const int64_t* table, const int64_t* token_index, const int64_t* query_pos,
@@ -251,10 +273,11 @@ void attend_row_head(const Q* q_all, Q* out, const T* k_pool, const T* v_pool, c
   const int64_t nq = span.nq, first = span.first, max_pos = span.max_pos, length = span.length;
   const int64_t width = nq * groups;  // query slots: (query, head of the group)
   constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
-  std::vector<float> queries(width * dim), scores(width * length), acc(width * dim, 0.0f);
+  // Scratch (above): each buffer is fully written before it is read.
+  thread_local std::vector<float> queries, scores, acc, key_row;  // key_row: a bfloat16 key (then value) widened once
+  queries.resize(width * dim), scores.resize(width * length), acc.assign(width * dim, 0.0f), key_row.resize(dim);
   load_queries(queries.data(), q_all, s, token_index, nq, h);
 
-  std::vector<float> key_row(dim);  // a bfloat16 key (then value) widened once
   for_each_key(k_pool, s, table, h, first, max_pos, [&](int64_t t, const T* key) {
     const float* widened = key_row.data();
     if constexpr (sizeof(T) == 2) {  // widen once, for every query slot
@@ -340,6 +363,21 @@ inline f32x16 sum_lanes_of_each(f32x16 parts[kLanes]) {
   return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
+// round_bf16 of each lane (the same integer steps, 16 at once).
+inline f32x16 round_bf16_lanes(f32x16 x) {
+  u32x16 word;
+  std::memcpy(&word, &x, sizeof(word));
+  word = (word + 0x7fffu + ((word >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
+// The first n (<= 16) lanes of x into `into`, rounded to bfloat16 values first where `rounded`.
+inline void store_scores(float* into, f32x16 x, int64_t n, bool rounded) {
+  if (rounded) x = round_bf16_lanes(x);
+  std::memcpy(into, &x, n * sizeof(float));
+}
+
 // attend_row_head's semantics, head_dim = 16 * CH: the head dim's lane groups known at compile
 // time and query slots taken kTile at a time, so a tile's queries and its output accumulators
 // stay in registers while each key and value is read once per tile.
@@ -356,9 +394,10 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
   const int64_t width = nq * groups;  // query slots: (query, head of the group)
   const int64_t tiles = (width + kTile - 1) / kTile, padded = tiles * kTile;
   constexpr bool rounded = sizeof(T) == 2;  // bfloat16: round where eager's bfloat16 matmuls round
-  std::vector<f32x16> queries(padded * CH, f32x16{}), parts(kTile * kLanes);
-  std::vector<f32x16> acc(padded * CH);
-  std::vector<float> scores(padded * length, 0.0f);
+  thread_local std::vector<f32x16> queries, parts, acc;  // per thread, kept between tasks
+  thread_local std::vector<float> scores;
+  queries.assign(padded * CH, f32x16{}), parts.resize(kTile * kLanes), acc.resize(padded * CH);
+  scores.assign(padded * length, 0.0f);  // padding slots' probabilities stay 0
   load_queries(reinterpret_cast<float*>(queries.data()), q_all, s, token_index, nq, h);
   const int64_t slice_elems = bs * dim;
   const auto block_start = [&](const T* pool, int64_t b) { return pool + (table[b] * s.kv_heads + h) * slice_elems; };
@@ -370,6 +409,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
       for (int c = 0; c < CH; ++c) q[w][c] = queries[(tile * kTile + w) * CH + c];
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(k_pool, b);
+      if (b < max_pos / bs) prefetch_slice(block_start(k_pool, b + 1), slice_elems);
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
@@ -385,9 +425,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
         for (int64_t w = 0; w < kTile && tile * kTile + w < width; ++w) {
           f32x16* of_slot = &parts[w * kLanes];
           for (int64_t j = n; j < kLanes; ++j) of_slot[j] = f32x16{};
-          const f32x16 dots = sum_lanes_of_each(of_slot);
-          float* row = &scores[(tile * kTile + w) * length + (lo - first)];
-          for (int64_t j = 0; j < n; ++j) row[j] = rounded ? round_bf16(dots[j]) : dots[j];
+          store_scores(&scores[(tile * kTile + w) * length + (lo - first)], sum_lanes_of_each(of_slot), n, rounded);
         }
       }
     }
@@ -400,6 +438,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
     f32x16 a[kTile][CH] = {};
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(v_pool, b);
+      if (b < max_pos / bs) prefetch_slice(block_start(v_pool, b + 1), slice_elems);
       for (int64_t t = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); t < end; ++t) {
         const T* value = tokens + (t - b * bs) * dim;
         f32x16 v[CH];
@@ -440,17 +479,16 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
   const int64_t nq = span.nq, first = span.first, max_pos = span.max_pos, length = span.length;
   const int64_t width = nq * groups;
   const int64_t tiles = (width + kTile - 1) / kTile, padded = tiles * kTile;
-  std::vector<uint16_t> queries(padded * dim, 0);  // bfloat16 as they are: query slot by slot
+  thread_local std::vector<uint16_t> queries;  // bfloat16 as they are: query slot by slot (per thread, kept)
+  queries.assign(padded * dim, 0);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(&queries[(i * groups + g) * dim],
                   q_all + token_index[i] * s.q_token_stride + (h * groups + g) * s.q_head_stride, dim * sizeof(uint16_t));
-  std::vector<f32x16> parts(kTile * kLanes), acc(padded * CH);
-  std::vector<float> scores(padded * length, 0.0f);
+  thread_local std::vector<f32x16> parts, acc;
+  thread_local std::vector<float> scores;
+  parts.resize(kTile * kLanes), acc.resize(padded * CH), scores.assign(padded * length, 0.0f);
   const int64_t slice_elems = bs * dim;
-  const auto token_row = [&](const uint16_t* pool, int64_t t) {
-    return pool + (table[t / bs] * s.kv_heads + h) * slice_elems + (t % bs) * dim;
-  };
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     __m512bh q[kTile][kPairs];
@@ -458,6 +496,7 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
       for (int c = 0; c < kPairs; ++c) q[w][c] = load_pairs(&queries[(tile * kTile + w) * dim + c * 32]);
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const uint16_t* tokens = k_pool + (table[b] * s.kv_heads + h) * slice_elems;
+      if (b < max_pos / bs) prefetch_slice(k_pool + (table[b + 1] * s.kv_heads + h) * slice_elems, slice_elems);
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
@@ -473,9 +512,7 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
         for (int64_t w = 0; w < kTile && tile * kTile + w < width; ++w) {
           f32x16* of_slot = &parts[w * kLanes];
           for (int64_t j = n; j < kLanes; ++j) of_slot[j] = f32x16{};
-          const f32x16 dots = sum_lanes_of_each(of_slot);
-          float* row = &scores[(tile * kTile + w) * length + (lo - first)];
-          for (int64_t j = 0; j < n; ++j) row[j] = round_bf16(dots[j]);
+          store_scores(&scores[(tile * kTile + w) * length + (lo - first)], sum_lanes_of_each(of_slot), n, true);
         }
       }
     }
@@ -495,10 +532,20 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
     __m512 a[kTile][CH];
     for (int64_t w = 0; w < kTile; ++w)
       for (int c = 0; c < CH; ++c) a[w][c] = _mm512_setzero_ps();
+    // Value rows in order, the block and the offset in it advanced together: a division and a
+    // remainder per key (t / bs, t % bs) were a tenth of the call on an AVX-512 Xeon.
+    int64_t block = first / bs, offset = first % bs;
+    const auto next_value = [&]() {
+      const uint16_t* row = v_pool + (table[block] * s.kv_heads + h) * slice_elems + offset * dim;
+      if (offset == 0 && block < max_pos / bs)  // entering a block: the next one's values on their way
+        prefetch_slice(v_pool + (table[block + 1] * s.kv_heads + h) * slice_elems, slice_elems);
+      if (++offset == bs) offset = 0, ++block;
+      return row;
+    };
     for (int64_t t = first; t <= max_pos; t += 2) {
       const bool pair = t + 1 <= max_pos;
-      const uint16_t* va = token_row(v_pool, t);
-      const uint16_t* vb = pair ? token_row(v_pool, t + 1) : nullptr;
+      const uint16_t* va = next_value();
+      const uint16_t* vb = pair ? next_value() : nullptr;
       __m512bh v[CH];
       for (int c = 0; c < kPairs; ++c) {
         const __m512i x = _mm512_loadu_si512(va + c * 32);
