@@ -10,7 +10,9 @@ SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows
   each, and whether the logits are identical;
 - **memory floor**: the bytes a decode step must read (every linear's weights once, and each row's
   keys and values up to its position) over the read bandwidth measured in the same run, and the
-  step's median time as a multiple of that floor;
+  step's median time as a multiple of that floor; beside it the **compute floor**, the linears'
+  FLOPs at torch's square-matmul peak in the dtype measured in the run (the larger bound where
+  bfloat16 has no AMX), and the step against the larger of the two;
 - **exact ops**: the forward with and without the native RMSNorm and rotary embedding
   (``workers/cpu/exact_ops.py``): two runners of the same weights, alternating in one process (this
   machine's speed drifts between runs), medians, and whether their logits are identical.
@@ -129,10 +131,30 @@ def step_bytes(runner: ModelRunner, step: list[RowWork]) -> tuple[int, int]:
     return weights, sum(row.start_pos + len(row.token_ids) for row in step) * per_token
 
 
+def matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of torch's square matmul in ``dtype`` (all threads), a second of repeats after a warm-up."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * size**3 * count / (time.perf_counter() - start)
+
+
+def linear_flops(runner: ModelRunner, rows: int) -> int:
+    layers = [m for m in runner.model.modules() if isinstance(m, (PrepackedLinear, nn.Linear))]
+    return sum(2 * rows * m.in_features * m.out_features for m in layers)
+
+
 def memory_floor(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:
     bandwidth = read_bandwidth()
     weights, kv = step_bytes(runner, step)
     floor = (weights + kv) / bandwidth
+    # Where the CPU's matmuls are slow for the dtype (bfloat16 without AMX), the linears' arithmetic bounds the step first.
+    peak = matmul_peak(runner.dtype)
+    compute = linear_flops(runner, len(step)) / peak
     spent = []
     with torch.inference_mode():
         for _ in range(repeats):
@@ -143,6 +165,9 @@ def memory_floor(runner: ModelRunner, step: list[RowWork], repeats: int) -> None
     print(f"memory floor: {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of K/V at {bandwidth / 1e9:.1f} GB/s "
           f"(read, measured now) = {floor * 1e3:.1f} ms")
     print(f"  the step: median {median * 1e3:.1f} ms (min {min(spent) * 1e3:.1f}) = {median / floor:.2f}x its floor")
+    print(f"compute floor: the linears' {linear_flops(runner, len(step)) / 1e9:.1f} GFLOP at this CPU's {runner.dtype} "
+          f"matmul peak, {peak / 1e9:.0f} GFLOP/s (1024^3, measured now) = {compute * 1e3:.1f} ms; the step is "
+          f"{median / max(floor, compute):.2f}x the larger floor")
 
 
 def attention_prefetch(runner: ModelRunner, step: list[RowWork], repeats: int) -> None:

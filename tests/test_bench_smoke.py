@@ -37,6 +37,9 @@ def run_cpu_ops(env: dict[str, str] | None = None) -> subprocess.CompletedProces
     floor = re.search(r"^memory floor: (\d+) MB of weights \+ \d+ MB of K/V at [\d.]+ GB/s \(read, measured now\) = "
                       r"[\d.]+ ms\n  the step: median [\d.]+ ms \(min [\d.]+\) = ([\d.]+)x its floor$", done.stdout, re.M)
     assert floor and 100 < int(floor[1]) < 1000 and float(floor[2]) > 0, done.stdout  # the real model's linears: 135M+ parameters
+    compute = re.search(r"^compute floor: the linears' [\d.]+ GFLOP at this CPU's torch\.\w+ matmul peak, (\d+) GFLOP/s "
+                        r"\(1024\^3, measured now\) = [\d.]+ ms; the step is ([\d.]+)x the larger floor$", done.stdout, re.M)
+    assert compute and int(compute[1]) > 0 and float(compute[2]) > 0, done.stdout
     return done
 
 
