@@ -72,10 +72,13 @@ inline float exp_nonpositive(float x) {
 constexpr int64_t kAhead = 16;
 constexpr int64_t kLine = 64;  // bytes
 
+// `count` contiguous elements from `from` on into L1: a token's row, or a block's slice of one KV
+// head while the block before it is read (the hardware prefetchers do not follow a row's table
+// from block to block).
 template <typename T>
-inline void prefetch_token(const T* token, int64_t dim) {
-  const char* bytes = reinterpret_cast<const char*>(token);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += kLine) __builtin_prefetch(bytes + b);
+inline void prefetch_elements(const T* from, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(from);
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += kLine) __builtin_prefetch(bytes + b);
 }
 
 struct Shape {
@@ -93,23 +96,15 @@ inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, in
     const T* tokens = pool + (table[b] * s.kv_heads + h) * slice_elems;
     if (b < last / bs) {
       const T* next = pool + (table[b + 1] * s.kv_heads + h) * slice_elems;
-      for (int64_t t = 0; t < kAhead; ++t) prefetch_token(next + t * dim, dim);
+      for (int64_t t = 0; t < kAhead; ++t) prefetch_elements(next + t * dim, dim);
     }
     const int64_t lo = std::max(first, b * bs), hi = std::min(last + 1, (b + 1) * bs);
     for (int64_t t = lo; t < hi; ++t) {
       const T* token = tokens + (t - b * bs) * dim;
-      if (t + kAhead < hi) prefetch_token(token + kAhead * dim, dim);
+      if (t + kAhead < hi) prefetch_elements(token + kAhead * dim, dim);
       body(t, token);
     }
   }
-}
-
-// A block's slice of one KV head (`elems` bfloat16 values, contiguous) into L1 while the block
-// before it is used: the hardware prefetchers do not follow a row's table from block to block.
-template <typename T>
-inline void prefetch_slice(const T* slice, int64_t elems) {
-  const char* bytes = reinterpret_cast<const char*>(slice);
-  for (int64_t b = 0; b < elems * static_cast<int64_t>(sizeof(T)); b += kLine) __builtin_prefetch(bytes + b);
 }
 
 // The real queries of one row (padding queries, position -1, come last) and the keys they may see.
@@ -140,7 +135,7 @@ inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t wi
 // A task is one row's queries against one KV head: `kTasksAhead` tasks on, the keys and values of
 // its first block go to L2 (prefetcht1) while this one computes (a thread's first tasks to L1),
 // and within a task each next block is fetched into L1 while the one before it is read
-// (prefetch_slice). Fetching whole tasks ahead instead, hundreds of prefetches in a burst, cost
+// (prefetch_elements). Fetching whole tasks ahead instead, hundreds of prefetches in a burst, cost
 // more than it saved on an Intel AVX-512 Xeon (2 cores, KVM): there, per 64-row forward at
 // position 200 (30 layers, alternating builds), the kernel went bfloat16 35.8 -> 26.9 ms and
 // float32 56.0 -> 41.9 ms with this and the other changes of that commit; identical outputs.
@@ -409,7 +404,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
       for (int c = 0; c < CH; ++c) q[w][c] = queries[(tile * kTile + w) * CH + c];
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(k_pool, b);
-      if (b < max_pos / bs) prefetch_slice(block_start(k_pool, b + 1), slice_elems);
+      if (b < max_pos / bs) prefetch_elements(block_start(k_pool, b + 1), slice_elems);
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
@@ -438,7 +433,7 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
     f32x16 a[kTile][CH] = {};
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(v_pool, b);
-      if (b < max_pos / bs) prefetch_slice(block_start(v_pool, b + 1), slice_elems);
+      if (b < max_pos / bs) prefetch_elements(block_start(v_pool, b + 1), slice_elems);
       for (int64_t t = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); t < end; ++t) {
         const T* value = tokens + (t - b * bs) * dim;
         f32x16 v[CH];
@@ -496,7 +491,7 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
       for (int c = 0; c < kPairs; ++c) q[w][c] = load_pairs(&queries[(tile * kTile + w) * dim + c * 32]);
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const uint16_t* tokens = k_pool + (table[b] * s.kv_heads + h) * slice_elems;
-      if (b < max_pos / bs) prefetch_slice(k_pool + (table[b + 1] * s.kv_heads + h) * slice_elems, slice_elems);
+      if (b < max_pos / bs) prefetch_elements(k_pool + (table[b + 1] * s.kv_heads + h) * slice_elems, slice_elems);
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
@@ -538,7 +533,7 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
     const auto next_value = [&]() {
       const uint16_t* row = v_pool + (table[block] * s.kv_heads + h) * slice_elems + offset * dim;
       if (offset == 0 && block < max_pos / bs)  // entering a block: the next one's values on their way
-        prefetch_slice(v_pool + (table[block + 1] * s.kv_heads + h) * slice_elems, slice_elems);
+        prefetch_elements(v_pool + (table[block + 1] * s.kv_heads + h) * slice_elems, slice_elems);
       if (++offset == bs) offset = 0, ++block;
       return row;
     };
