@@ -38,4 +38,4 @@ run: $(STAMP)
 	@echo "results: results/default.jsonl"
 
 clean:
-	rm -rf $(VENV) build *.egg-info results workers/cpu/native/build
+	rm -rf $(VENV) build *.egg-info results

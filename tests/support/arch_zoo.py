@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.model.tiny import cache_root, ensure_tiny_model
+from workers.host_cache import cache_root
+from workers.model.tiny import ensure_tiny_model
 
 WINDOW = 8  # shorter than every test prompt
 

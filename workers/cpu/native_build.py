@@ -1,9 +1,11 @@
 """Building the C++ CPU kernels (``workers/cpu/native/*.cpp``) with the system compiler, for ctypes.
 
-Each is a plain shared library (no torch headers), so it compiles in about a second: ``make
-setup`` builds them, and a worker that finds one missing builds it on first use. The file name
-carries a hash of the source, the flags and this CPU's features, so a stale or foreign build is
-never loaded.
+Each is a plain shared library (no torch headers) that takes some seconds to compile: ``make setup``
+builds them, and a worker that finds one missing builds it on first use. Builds live in the host's
+cache (``~/.cache/raysample/kernels``), not beside the source: a job's copy of the code (``ray job
+submit``'s working directory, a second clone) finds the build the last one made instead of compiling
+again. The file name carries a hash of the source, the flags and this CPU's features, so a stale or
+foreign build is never loaded, and a lock makes the workers that start together compile it once.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from workers.host_cache import cache_root
+
+STALE_AFTER_S = 30 * 24 * 3600  # another source's build unused this long is removed when one is built
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -52,21 +60,33 @@ def target_flags(flags: list[str]) -> list[str]:
 
 
 def library_path(source: Path, flags: list[str]) -> Path:
-    """Where the build of this source (with the headers beside it), these flags and this CPU lives.
-
-    ``RAYSAMPLE_KERNEL_DIR``, else ``build/`` beside the source, else (an installed, read-only
-    package) the user's cache.
-    """
+    """Where the build of this source (with the headers beside it), these flags and this CPU lives:
+    ``RAYSAMPLE_KERNEL_DIR``, else the host's cache (``RAYSAMPLE_CACHE_DIR``, else ``~/.cache/raysample``)."""
     flags = target_flags(flags)
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     for part in (source.read_bytes(), *headers, " ".join(flags).encode(), platform.machine().encode(),
                  _cpu_signature().encode()):
         digest.update(part)
-    folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or source.parent / "build")
-    if "RAYSAMPLE_KERNEL_DIR" not in os.environ and not os.access(source.parent, os.W_OK):
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysample" / "kernels"
+    folder = Path(os.environ.get("RAYSAMPLE_KERNEL_DIR") or cache_root() / "kernels")
     return folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+@contextmanager
+def _only_builder(target: Path) -> Iterator[None]:
+    """Held while one process builds ``target``: the workers of an engine start together, and each
+    would otherwise compile the same kernel on the same cores at once."""
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks here: concurrent builds still publish atomically
+        yield
+        return
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build(source: Path, flags: list[str]) -> Path:
@@ -79,18 +99,37 @@ def build(source: Path, flags: list[str]) -> Path:
     if compiler is None:
         raise NativeKernelUnavailable(f"no C++ compiler: CXX={wanted!r} not found" if wanted
                                       else "no C++ compiler (g++, c++ or clang++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
     try:
-        command = [compiler, *target_flags(flags), "-o", str(partial), str(source)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    for stale in target.parent.glob(f"{source.stem}-*.so"):  # builds of older sources (a loaded one stays mapped)
-        if stale != target:
-            stale.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NativeKernelUnavailable(f"cannot create {target.parent} for the build ({exc.strerror}); "
+                                      "set RAYSAMPLE_KERNEL_DIR to a writable directory") from None
+    with _only_builder(target):
+        if target.exists():  # built by the process that held the lock before this one
+            return target
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            command = [compiler, *target_flags(flags), "-o", str(partial), str(source)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    _remove_stale(source, target)
     return target
+
+
+def _remove_stale(source: Path, target: Path) -> None:
+    """Builds of this kernel from older sources, once unused for a month. Not sooner: the cache is
+    shared by every checkout on the host and by the builds for other targets (``RAYSAMPLE_KERNEL_MARCH``),
+    and a loaded library stays mapped anyway."""
+    now = time.time()
+    for stale in target.parent.glob(f"{source.stem}-*.so"):
+        try:
+            if stale != target and now - stale.stat().st_atime > STALE_AFTER_S:
+                stale.unlink()
+                stale.with_suffix(".lock").unlink(missing_ok=True)
+        except OSError:
+            pass  # removed by another process meanwhile

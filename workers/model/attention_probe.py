@@ -83,7 +83,7 @@ def probe_key(runner: ProbedRunner, model_path: str | Path, trust_remote_code: b
 def verify_once(runner: ProbedRunner, model_path: str | Path, trust_remote_code: bool = False) -> None:
     """``verify_against_eager``, skipped when this exact model, code and layout passed it before on this
     host (a marker in the raysample cache); each worker otherwise spends seconds on it at every start."""
-    from workers.model.model_source import cache_root
+    from workers.host_cache import cache_root
 
     key = probe_key(runner, model_path, trust_remote_code)
     marker = cache_root() / "probes" / key if key is not None else None

@@ -190,7 +190,7 @@ class ModelRunner:
         if merge_projections and not cpu_fused and tensor_parallel_size == 1:
             merge_layers(self.model, paged_attention)
         if probe_cpu_rows and self.device.type == "cpu" and tensor_parallel_size == 1:
-            from workers.model.model_source import cache_root
+            from workers.host_cache import cache_root
 
             make_rows_independent(self.model, max_step_tokens, max_logit_rows or max_rows, cache_root() / "row-probes")
         if static_mode:

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from workers.host_cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 # name -> (distribution, file inside it)
@@ -38,14 +40,6 @@ MAGIC = b"GGUF"
 
 class ModelSourceError(ValueError):
     """A model source cannot be used; the message is one line naming the file and the reason."""
-
-
-def cache_root() -> Path:
-    """``RAYSAMPLE_CACHE_DIR`` (``RAYSAMPLE_CACHE``, its older name), else ``~/.cache/raysample``."""
-    for name in ("RAYSAMPLE_CACHE_DIR", "RAYSAMPLE_CACHE"):
-        if os.environ.get(name):
-            return Path(os.environ[name])
-    return Path.home() / ".cache" / "raysample"
 
 
 def preset_gguf(name: str) -> Path:

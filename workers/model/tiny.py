@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers.host_cache import cache_root
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<think>", "</think>"]
 
 # A small ChatML-like template so chat requests work offline; enable_thinking opens a <think> section.
@@ -84,12 +86,6 @@ PRESETS: dict[str, TinySpec] = {
         initializer_range=0.02,
     ),
 }
-
-
-def cache_root() -> Path:
-    from workers.model.model_source import cache_root as root
-
-    return root()
 
 
 def _corpus(seed: int) -> list[str]:

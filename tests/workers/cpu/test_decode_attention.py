@@ -3,7 +3,10 @@ reference, over random pool layouts."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,14 +172,39 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert float(torch.tensor(sys.float_info.min, dtype=torch.float64) / 2) > 0.0
 
 
-def test_a_worker_without_a_build_compiles_one_on_first_use(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(tmp_path))
+def test_a_worker_without_a_build_compiles_one_on_first_use_and_a_second_starting_with_it_waits(tmp_path, monkeypatch):
+    """Two workers that start together (here this process and a child) compile the kernel once: the
+    compiler, wrapped to log its runs, runs one time, and both load the same build."""
+    kernels, calls = tmp_path / "kernels", tmp_path / "compiler-runs"
+    compiler = tmp_path / "logging-g++"
+    compiler.write_text(f"#!/bin/sh\necho run >> {calls}\nsleep 1\nexec {shutil.which('g++')} \"$@\"\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(kernels))
+    monkeypatch.setenv("CXX", str(compiler))
+    other = subprocess.Popen([sys.executable, "-c", "from workers.cpu import native_attention; print(native_attention.build())"],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[3])
     native_attention._library.cache_clear()
     try:
         assert use_native_decode("auto", torch.device("cpu"), torch.float32)
-        assert [p.name for p in tmp_path.iterdir()] == [native_attention.library_path().name]
+        built, _ = other.communicate(timeout=300)
+        assert other.returncode == 0 and built.strip() == str(native_attention.library_path())
+        assert calls.read_text().splitlines() == ["run"]
+        assert [p.name for p in kernels.glob("*.so")] == [native_attention.library_path().name]
     finally:
         native_attention._library.cache_clear()
+
+
+def test_a_copy_of_the_code_finds_the_build_the_original_made(tmp_path, monkeypatch):
+    """A job's working directory under ``ray job submit`` is a copy of the code without the build
+    (ignored by git): the build's place and name come from the source's content, not its path."""
+    monkeypatch.delenv("RAYSAMPLE_KERNEL_DIR", raising=False)
+    copy = tmp_path / "working_dir" / "native"
+    shutil.copytree(native_attention.SOURCE.parent, copy, ignore=shutil.ignore_patterns("build"))
+    assert native_build.library_path(copy / native_attention.SOURCE.name, native_attention.FLAGS) == \
+        native_attention.library_path()
+    (copy / "bfloat16.h").write_text((copy / "bfloat16.h").read_text() + "\n// changed\n")
+    assert native_build.library_path(copy / native_attention.SOURCE.name, native_attention.FLAGS) != \
+        native_attention.library_path()
 
 
 def test_a_build_for_another_cpu_level_has_a_name_of_its_own(monkeypatch):
