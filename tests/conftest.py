@@ -34,6 +34,23 @@ def share_cores_between_xdist_workers() -> None:
 share_cores_between_xdist_workers()
 
 
+def faster_transformers_import() -> None:
+    """Child processes (pytest's workers, the job CLI, Ray's actors) start with ``support/startup``'s
+    ``sitecustomize``: transformers' lazy import table read from one file instead of rebuilt from its
+    3,345 model files in every process."""
+    startup = os.path.join(os.path.dirname(__file__), "support", "startup")
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if startup not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [startup, *paths] if p)
+    from workers.host_cache import cache_root
+
+    cache_root().mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("RAYSAMPLE_TEST_TRANSFORMERS_TABLE", str(cache_root() / "transformers-import-table.pkl"))
+
+
+faster_transformers_import()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ray: starts or joins a Ray cluster")
 

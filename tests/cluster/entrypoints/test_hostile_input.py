@@ -25,9 +25,12 @@ from helpers import ctrl_c_reaches_it, run_job_main, tiny_job_config
 ROOT = Path(__file__).resolve().parents[3]
 
 
-# The job's main, then its peak resident memory on stderr.
-MEASURED_MAIN = ("import resource, sys; from cluster.entrypoints.job import main; code = main(sys.argv[1:]); "
-                 "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+# The ``raysample`` command, which prints its peak resident memory on stderr as it exits (an exit handler:
+# the command leaves through ``exit_now``, as installed; a plain interpreter exit can abort in a native
+# thread's teardown, "terminate called without an active exception", which the command never meets).
+MEASURED_MAIN = ("import atexit, resource, sys; atexit.register(lambda: print('MAXRSS_KIB', "
+                 "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+                 "from cluster.entrypoints.job import cli; cli()")
 
 
 def job(tmp_path: Path, lines: list[bytes], *extra: str) -> tuple[list[str], Path]:
