@@ -7,11 +7,32 @@ in each step that admits 1,024 requests, half of those steps' 0.3 s of CPU. ``gc
 what is alive now out of the collected generations (vLLM's engine does the same after start-up,
 ``freeze_gc_heap``); what the run allocates is still collected as before. Only in the engine's
 own Ray actors: in a user's process it would freeze the user's objects as well.
+
+Before the freeze, while such a process imports transformers and builds its model, the collector
+is paused (``collection_paused``): every collection then walks the long-lived objects made so far,
+and none of them is garbage. A tiny-model worker's constructor took 2.05 CPU-s with it running and
+1.68 without.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Around an engine actor's constructor, which ends with ``freeze_startup_heap``: no cyclic
+    collection until then. The collector runs again however the block ends (a failed constructor
+    leaves a process that Ray ends, but nothing here relies on that)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def freeze_startup_heap() -> int:

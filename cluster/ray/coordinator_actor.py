@@ -15,11 +15,14 @@ class CoordinatorActor:
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
                  kv_note: str | None = None, tokenizer: Any = None) -> None:
         from cluster.quiet import quiet_libraries, quiet_teardown
-        from cluster.ray.step_loop import StepLoop
+        from cluster.startup_heap import collection_paused
 
-        quiet_teardown()
-        quiet_libraries()
-        self.core = StepLoop(config, placement, workers, kv_note, tokenizer)
+        with collection_paused():  # until the step loop freezes the start-up heap
+            from cluster.ray.step_loop import StepLoop
+
+            quiet_teardown()
+            quiet_libraries()
+            self.core = StepLoop(config, placement, workers, kv_note, tokenizer)
 
     def ready(self) -> bool:
         return self.core.ready()

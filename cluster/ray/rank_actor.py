@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from cluster.startup_heap import freeze_startup_heap
+from cluster.startup_heap import collection_paused, freeze_startup_heap
 from workers.row_work import RowWork
 from workers.wire import TensorRank
 
@@ -42,12 +42,13 @@ class RankActor:
         from workers.model.tensor_parallel import join_group
         from workers.step.worker import build_runner
 
-        device = prepare_process(config)
-        check_device_memory(config, device)  # before any weight loads
-        if config.model.simulate is None:  # simulated ranks only sleep: no collectives to meet
-            join_group(rank, device, config.cluster.startup_timeout_s)  # meets the lead and the other ranks
-        self.runner = build_runner(config, device)
-        freeze_startup_heap()  # this actor's process is the engine's own
+        with collection_paused():  # until the heap is frozen at the end
+            device = prepare_process(config)
+            check_device_memory(config, device)  # before any weight loads
+            if config.model.simulate is None:  # simulated ranks only sleep: no collectives to meet
+                join_group(rank, device, config.cluster.startup_timeout_s)  # meets the lead and the other ranks
+            self.runner = build_runner(config, device)
+            freeze_startup_heap()  # this actor's process is the engine's own
 
     def ready(self) -> bool:
         return True

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from cluster.ray.rank_actor import launch_followers, prepare_process
-from cluster.startup_heap import freeze_startup_heap
+from cluster.startup_heap import collection_paused, freeze_startup_heap
 from workers.model.tensor_parallel import TensorGroupLost
 from workers.row_work import RowWork
 from workers.wire import StepPlan, StepResult, TensorRank, WorkerInfo
@@ -77,6 +77,10 @@ class WorkerActor:
 
     def __init__(self, worker_id: int, config: Any, placement: Any = None) -> None:
         """``config``: the run's resolved configuration (``cluster.config.resolve``), as the driver built it."""
+        with collection_paused():  # until the heap is frozen below
+            self._start(worker_id, config, placement)
+
+    def _start(self, worker_id: int, config: Any, placement: Any) -> None:
         from cluster.memory import check_device_memory
         from workers.step.worker import Worker
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from cluster.startup_heap import freeze_startup_heap
+from cluster.startup_heap import collection_paused, freeze_startup_heap
 
 
 class _Node:
@@ -28,3 +28,23 @@ def test_garbage_is_collected_before_the_freeze_and_later_cycles_still_are():
         assert later() is None  # the collector still runs on what comes after
     finally:
         gc.unfreeze()  # this test process is not an engine's own
+
+
+def test_the_collector_is_paused_for_a_constructor_and_runs_again_however_it_ends():
+    assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with collection_paused():
+            raise RuntimeError("a failed constructor")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+    gc.disable()  # paused by someone else: left as it was
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
