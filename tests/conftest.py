@@ -52,14 +52,17 @@ def faster_imports() -> None:
 faster_imports()
 
 
-def no_idle_ray_workers() -> None:
+def no_idle_ray_processes() -> None:
     """Ray starts a Python worker per logical CPU as the first driver connects, ahead of need. The
     suite's private instances declare more CPUs than the machine has (a bundle per worker), and most of
     those workers never ran anything (31 in a run, about 1 CPU-s each): actors start their own."""
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    # Ray Data reads parquet footers in a pool of actors (3 per read here, 1.3 CPU-s each to start): the
+    # suite's files are one or two small ones, which one actor reads as well.
+    os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 
 
-no_idle_ray_workers()
+no_idle_ray_processes()
 
 
 def pytest_configure(config: pytest.Config) -> None:
