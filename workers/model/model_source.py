@@ -166,7 +166,8 @@ def _convert(path: Path, out: Path, stored: str) -> None:
     tokenizer.save_pretrained(out)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     torch_dtype = getattr(torch, stored)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+    # The config read above, not read again: each read parses the GGUF's header, vocabulary included (~5 s).
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype, config=config)
     # save_pretrained refuses a model that says it is GGUF-quantized: the same weights in a
     # model built from the config without quantization_config save as any other.
     if hasattr(config, "quantization_config"):
