@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -13,6 +14,13 @@ from processors import BatchUpdate, EngineConfig, MoveDirectionality, SamplingPa
 
 VOCAB = 32
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def pythonpath(*first: str | Path) -> str:
+    """``PYTHONPATH`` with ``first`` ahead of the suite's own entries (its start-up module, which conftest
+    puts there): a child process or Ray worker given it finds both. No empty entry (that would be the
+    current directory)."""
+    return os.pathsep.join(str(p) for p in (*first, *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if str(p))
 
 
 def tiny_job_config() -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny_job_config
+from helpers import pythonpath, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -99,11 +99,11 @@ def test_a_processor_package_in_the_current_directory_gets_the_hint_the_console_
     script.write_text("import sys\nfrom cluster.entrypoints.job import cli\nsys.exit(cli())\n")
     args = [sys.executable, str(script), "generate", "--config", "c.yaml", "--input", "in.jsonl", "--output",
             "out.jsonl", "--local"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
     refused = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "'myprocs' is in the current directory, which the raysample command does not import from: run it as " \
            "PYTHONPATH=$PWD raysample" in refused.stderr, refused.stderr[-2000:]
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{work}"
+    env["PYTHONPATH"] = pythonpath(ROOT, work)
     ran = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=120, env=env)
     assert ran.returncode == 0 and (work / "out.jsonl").exists(), ran.stderr[-2000:]

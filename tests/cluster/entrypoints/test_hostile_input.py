@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ctrl_c_reaches_it, run_job_main, tiny_job_config
+from helpers import ctrl_c_reaches_it, pythonpath, run_job_main, tiny_job_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -265,7 +265,7 @@ def test_local_job_with_a_hung_processor_exits_by_itself(tmp_path):
     args, output = cli_job(tmp_path, config, [
         json.dumps({"id": "hang", "prompt": "Hi", "extra_args": {"hang": True}, "sampling_params": {"max_tokens": 6}}),
         json.dumps({"id": "ok", "prompt": "Hello", "sampling_params": {"max_tokens": 6}})], "--local")
-    env = {**os.environ, "RAYSAMPLE_TEST_HANG_S": "3600", "PYTHONPATH": str(ROOT / "tests" / "support")}
+    env = {**os.environ, "RAYSAMPLE_TEST_HANG_S": "3600", "PYTHONPATH": pythonpath(ROOT / "tests" / "support")}
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert "[raysample] summary:" in done.stdout, done.stderr[-2000:]
     records = by_id(output)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults
+from helpers import FaultAfterFirstResults, pythonpath
 
 from cluster import Engine
 from cluster.config import load_config
@@ -63,9 +63,8 @@ def comparable(path) -> dict:
 @pytest.fixture(scope="module")
 def ray_cluster():
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")
-    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath(tests_dir)}})
     yield
     ray.shutdown()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults
+from helpers import FaultAfterFirstResults, pythonpath
 from ray.cluster_utils import Cluster
 
 from cluster import Engine, EngineError
@@ -66,8 +66,8 @@ def ray_cluster():
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 8, "_system_config": {"metrics_report_interval_ms": 500}})
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")  # test-only processors, importable in actors
-    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(address=cluster.address, namespace="raysample-tests", runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(address=cluster.address, namespace="raysample-tests",
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath(tests_dir)}})
     yield cluster
     ray.shutdown()
     cluster.shutdown()
