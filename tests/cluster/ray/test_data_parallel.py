@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults, pythonpath
+from helpers import FaultAfterFirstResults, inherited_environment, pythonpath
 
 from cluster import Engine
 from cluster.config import load_config
@@ -63,10 +63,10 @@ def comparable(path) -> dict:
 @pytest.fixture(scope="module")
 def ray_cluster():
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")
-    ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath(tests_dir)}})
-    yield
-    ray.shutdown()
+    with inherited_environment(PYTHONPATH=pythonpath(tests_dir)):  # test-only processors, importable in actors
+        ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests")
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults, pythonpath
+from helpers import FaultAfterFirstResults, inherited_environment, pythonpath
 from ray.cluster_utils import Cluster
 
 from cluster import Engine, EngineError
@@ -63,14 +63,14 @@ def workload() -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def ray_cluster():
     # Metrics reach the node's Prometheus endpoint every 0.5 s instead of Ray's default 10 s.
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 8, "_system_config": {"metrics_report_interval_ms": 500}})
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")  # test-only processors, importable in actors
-    ray.init(address=cluster.address, namespace="raysample-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath(tests_dir)}})
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with inherited_environment(PYTHONPATH=pythonpath(tests_dir)):  # by the second node's actors too
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 8, "_system_config": {"metrics_report_interval_ms": 500}})
+        ray.init(address=cluster.address, namespace="raysample-tests")
+        yield cluster
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

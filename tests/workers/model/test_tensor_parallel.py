@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_zoo import ARCHITECTURES, build_arch_model
-from helpers import pythonpath
+from helpers import inherited_environment, pythonpath
 
 from cluster.config import load_config
 from cluster.memory import GiB, MemoryPlanError, ModelMemory, check_weights_fit_device, plan_cpu_memory
@@ -227,10 +227,10 @@ def ray_instance():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-tp-tests",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath(ROOT)}})
-    yield
-    ray.shutdown()
+    with inherited_environment(PYTHONPATH=pythonpath(ROOT)):
+        ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-tp-tests")
+        yield
+        ray.shutdown()
 
 
 PROMPTS = ["a b c a b c", "The quick brown fox", "café 你好", "1 2 3 1 2 3", "Logits processors", "Hello there"]
