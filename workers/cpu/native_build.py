@@ -18,11 +18,10 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from workers.host_cache import cache_root
+from workers.host_cache import cache_root, one_maker
 
 STALE_AFTER_S = 30 * 24 * 3600  # another source's build unused this long is removed when one is built
 
@@ -72,23 +71,6 @@ def library_path(source: Path, flags: list[str]) -> Path:
     return folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
-@contextmanager
-def _only_builder(target: Path) -> Iterator[None]:
-    """Held while one process builds ``target``: the workers of an engine start together, and each
-    would otherwise compile the same kernel on the same cores at once."""
-    try:
-        import fcntl
-    except ImportError:  # no advisory locks here: concurrent builds still publish atomically
-        yield
-        return
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def build(source: Path, flags: list[str]) -> Path:
     """Compile ``source`` unless this exact build exists; atomic, so concurrent workers may race."""
     target = library_path(source, flags)
@@ -104,7 +86,7 @@ def build(source: Path, flags: list[str]) -> Path:
     except OSError as exc:
         raise NativeKernelUnavailable(f"cannot create {target.parent} for the build ({exc.strerror}); "
                                       "set RAYSAMPLE_KERNEL_DIR to a writable directory") from None
-    with _only_builder(target):
+    with one_maker(target):
         if target.exists():  # built by the process that held the lock before this one
             return target
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:

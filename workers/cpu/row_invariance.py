@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.cpu.cpu_linear import PrepackedLinear
+from workers.host_cache import one_maker
 
 logger = logging.getLogger(__name__)
 
@@ -202,23 +203,37 @@ def _host_key(shape: tuple) -> str:
 
 
 def _stored(store: Path | None, key: str, find: Callable[[], RowWindow | None]) -> RowWindow | None:
+    """The verdict saved for ``key``, else ``find``'s, saved. One process probes a key at a time: the
+    workers of an engine start together, and a worker that waited reads the verdict its sibling saved."""
     path = store / f"{key}.json" if store is not None else None
-    if path is not None and path.is_file():
+    if path is None:
+        return find()
+    saved = _read_verdict(path)
+    if saved is not None:
+        return saved[0]
+    with one_maker(path):
+        saved = _read_verdict(path)
+        if saved is not None:
+            return saved[0]
+        window = find()
         try:
-            saved = json.loads(path.read_text())
-            return None if saved is None else RowWindow(saved["low"], saved["high"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable: probe again
-    window = find()
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent: workers may probe at once
+            staging = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent
             staging.write_text(json.dumps(None if window is None else {"low": window.low, "high": window.high}))
             staging.replace(path)
         except OSError:
             pass  # an unwritable cache only means probing again next time
     return window
+
+
+def _read_verdict(path: Path) -> tuple[RowWindow | None] | None:
+    """``(window,)`` as saved (the window may be None: no window needed), or None when there is none."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        return (None if saved is None else RowWindow(saved["low"], saved["high"]),)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: probe again
 
 
 def _bucket(rows: int) -> int:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from workers.model.paged_attention import ATTENTION_NAME, PagedKVCache, UnsupportedAttention
-from workers.model.tensor_parallel import agree_all
+from workers.host_cache import cache_root, one_maker
+from workers.model.tensor_parallel import agree_all, in_a_group
 from workers.row_work import RowWork
 
 logger = logging.getLogger(__name__)
@@ -83,21 +84,21 @@ def probe_key(runner: ProbedRunner, model_path: str | Path, trust_remote_code: b
 def verify_once(runner: ProbedRunner, model_path: str | Path, trust_remote_code: bool = False) -> None:
     """``verify_against_eager``, skipped when this exact model, code and layout passed it before on this
     host (a marker in the raysample cache); each worker otherwise spends seconds on it at every start."""
-    from workers.host_cache import cache_root
-
     key = probe_key(runner, model_path, trust_remote_code)
     marker = cache_root() / "probes" / key if key is not None else None
-    # The ranks of a tensor-parallel group probe together (the forwards' collectives must meet): all
-    # skip, or none does, whatever another group on this host wrote meanwhile.
-    if agree_all(marker is not None and marker.is_file()):
-        return
-    verify_against_eager(runner)
-    if marker is not None:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{type(runner.model).__name__} passed the paged-attention probe\n")
-        except OSError:
-            pass  # an unwritable cache only means probing again next time
+    # Workers that start together on a host that has no marker yet probe one at a time: the others
+    # then find the marker. Not the ranks of a tensor-parallel group: they probe together (the
+    # forwards' collectives must meet), all skip or none does, whatever another group wrote meanwhile.
+    with one_maker(marker) if marker is not None and not in_a_group() else nullcontext():
+        if agree_all(marker is not None and marker.is_file()):
+            return
+        verify_against_eager(runner)
+        if marker is not None:
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(f"{type(runner.model).__name__} passed the paged-attention probe\n")
+            except OSError:
+                pass  # an unwritable cache only means probing again next time
 
 
 # Float32: the paged path computes what eager attention computes, to rounding.

@@ -85,6 +85,13 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+def in_a_group() -> bool:
+    """Whether this process is a rank of a tensor-parallel group (collectives wait for the others)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def agree_all(value: bool) -> bool:
     """Whether ``value`` holds on every rank of the group (True when there is no group)."""
     return bool(smallest_over_ranks(int(value)))

@@ -226,3 +226,43 @@ def test_a_seeded_requests_tokens_and_logprobs_alone_are_its_batched_ones_bit_fo
         assert [record(engine.generate(p, s)[0]) for p, s in zip(prompts, params)] == batched
     finally:
         engine.shutdown()
+
+
+def test_workers_that_start_together_probe_a_layer_once(tmp_path):
+    """A cold host: the first worker probes while the others wait, then they read its verdict (a window,
+    or none needed, which is saved too); an unreadable verdict is probed again."""
+    import threading
+    import time
+
+    calls: list[str] = []
+
+    def probe(window):
+        def find():
+            calls.append("probe")
+            time.sleep(0.3)  # the others arrive while it probes
+            return window
+        return find
+
+    store = tmp_path / "row-probes"
+    for key, window in (("windowed", row_invariance.RowWindow(4, 64)), ("plain", None)):
+        calls.clear()
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(row_invariance._stored(store, key, probe(window))))
+                   for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert calls == ["probe"] and results == [window] * 3, (key, calls, results)
+    (store / "plain.json").write_text("{not json")
+    calls.clear()
+    assert row_invariance._stored(store, "plain", probe(None)) is None and calls == ["probe"]
+    assert row_invariance._stored(None, "any", probe(None)) is None and calls == ["probe", "probe"]  # no store: no cache
+
+
+def test_an_unwritable_store_only_means_probing_every_time(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    found = row_invariance.RowWindow(2, 32)
+    assert row_invariance._stored(blocker / "row-probes", "key", lambda: found) == found
+    assert row_invariance._stored(blocker / "row-probes", "key", lambda: None) is None  # probed again

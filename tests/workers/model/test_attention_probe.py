@@ -75,3 +75,30 @@ def test_the_float32_copy_restores_the_original_weights_exactly():
     assert all(torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before)
     assert {name: t.dtype for name, t in runner.model.named_buffers()} == buffers  # RoPE's float32 inv_freq too
     assert runner.dtype == torch.bfloat16 and runner.cache is not None and runner.cache.keys[0].dtype == torch.bfloat16
+
+
+def test_workers_that_start_together_verify_once(tmp_path, monkeypatch):
+    """A cold host: one of the workers that start together runs the probe, the others wait for its marker."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RAYSAMPLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_probe, "probe_key", lambda runner, path, trust: "the-key")
+    calls: list[object] = []
+
+    def verify(runner):
+        calls.append(runner)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(attention_probe, "verify_against_eager", verify)
+    from types import SimpleNamespace
+
+    runners = [SimpleNamespace(model=torch.nn.Identity()) for _ in range(4)]
+    threads = [threading.Thread(target=attention_probe.verify_once, args=(runner, "model")) for runner in runners[:3]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(calls) == 1 and (tmp_path / "probes" / "the-key").is_file()
+    attention_probe.verify_once(runners[3], "model")
+    assert len(calls) == 1
