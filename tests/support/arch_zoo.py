@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from workers.host_cache import cache_root
+from workers.host_cache import cache_root, one_maker
 from workers.model.tiny import ensure_tiny_model
 
 WINDOW = 8  # shorter than every test prompt
@@ -78,15 +79,20 @@ def build_arch_model(model_type: str, seed: int = 0, **overrides: Any) -> Path:
     target = cache_root() / "arch" / f"{model_type}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "config.json").exists():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
-    config = arch_config(model_type, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id)
-    staging = target.with_name(target.name + ".tmp")
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    staging.rename(target)
+    # Both of the suite's workers (and their Ray actors) may ask for one model at once on a fresh host:
+    # one builds it, the others wait and find it.
+    with one_maker(target):
+        if (target / "config.json").exists():
+            return target
+        tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
+        config = arch_config(model_type, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             **overrides)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                                   eos_token_id=tokenizer.eos_token_id)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
     return target
