@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,23 +21,6 @@ def pythonpath(*first: str | Path) -> str:
     puts there): a child process or Ray worker given it finds both. No empty entry (that would be the
     current directory)."""
     return os.pathsep.join(str(p) for p in (*first, *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if str(p))
-
-
-@contextmanager
-def inherited_environment(**values: str) -> Iterator[None]:
-    """Variables set while a block runs, then put back. A Ray instance started inside passes them to every
-    worker it starts, as a job's ``runtime_env`` would, but without one: an actor with a ``runtime_env``
-    starts through Ray's ``setup_worker.py`` (a third of a CPU-second more, for every actor)."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def tiny_job_config() -> dict:

@@ -89,7 +89,10 @@ def verify_once(runner: ProbedRunner, model_path: str | Path, trust_remote_code:
     # Workers that start together on a host that has no marker yet probe one at a time: the others
     # then find the marker. Not the ranks of a tensor-parallel group: they probe together (the
     # forwards' collectives must meet), all skip or none does, whatever another group wrote meanwhile.
-    with one_maker(marker) if marker is not None and not in_a_group() else nullcontext():
+    solo = marker is not None and not in_a_group()
+    if solo and marker.is_file():
+        return
+    with one_maker(marker) if solo else nullcontext():
         if agree_all(marker is not None and marker.is_file()):
             return
         verify_against_eager(runner)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults, inherited_environment, pythonpath
+from helpers import FaultAfterFirstResults, pythonpath
 
 from cluster import Engine
 from cluster.config import load_config
@@ -63,7 +63,10 @@ def comparable(path) -> dict:
 @pytest.fixture(scope="module")
 def ray_cluster():
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")
-    with inherited_environment(PYTHONPATH=pythonpath(tests_dir)):  # test-only processors, importable in actors
+    # Test-only processors, importable in actors: through the environment the instance inherits, not a
+    # runtime_env, with which every actor would start through Ray's setup_worker.py.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", pythonpath(tests_dir))
         ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-dp-tests")
         yield
         ray.shutdown()

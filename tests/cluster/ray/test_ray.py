@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import FaultAfterFirstResults, inherited_environment, pythonpath
+from helpers import FaultAfterFirstResults, pythonpath
 from ray.cluster_utils import Cluster
 
 from cluster import Engine, EngineError
@@ -64,7 +64,10 @@ def workload() -> list[SamplingParams]:
 def ray_cluster():
     # Metrics reach the node's Prometheus endpoint every 0.5 s instead of Ray's default 10 s.
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")  # test-only processors, importable in actors
-    with inherited_environment(PYTHONPATH=pythonpath(tests_dir)):  # by the second node's actors too
+    # Through the environment the nodes inherit (the second node's too), not a runtime_env: with one, every
+    # actor starts through Ray's setup_worker.py, a second interpreter that imports Ray again.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", pythonpath(tests_dir))
         cluster = Cluster(initialize_head=True,
                           head_node_args={"num_cpus": 8, "_system_config": {"metrics_report_interval_ms": 500}})
         ray.init(address=cluster.address, namespace="raysample-tests")

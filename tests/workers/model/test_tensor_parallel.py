@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_zoo import ARCHITECTURES, build_arch_model
-from helpers import inherited_environment, pythonpath
+from helpers import pythonpath
 
 from cluster.config import load_config
 from cluster.memory import GiB, MemoryPlanError, ModelMemory, check_weights_fit_device, plan_cpu_memory
@@ -227,7 +227,8 @@ def ray_instance():
 
     if ray.is_initialized():
         ray.shutdown()
-    with inherited_environment(PYTHONPATH=pythonpath(ROOT)):
+    with pytest.MonkeyPatch.context() as env:  # inherited by the actors: no runtime_env (see test_ray.py)
+        env.setenv("PYTHONPATH", pythonpath(ROOT))
         ray.init(address="local", num_cpus=6, include_dashboard=False, namespace="raysample-tp-tests")
         yield
         ray.shutdown()
