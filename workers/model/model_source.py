@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,40 +157,74 @@ def _convert_into(path: Path, target: Path, stored: str) -> Path:
     return target
 
 
-@contextmanager
-def _gguf_read_once() -> Iterator[None]:
+class _SharedGGUF:
     """A conversion parsed the whole GGUF (header and 49k-entry vocabulary: ~5 s) four times (our
     check, then transformers for the tokenizer, the config and the weights), and transformers builds
     gguf's tensor-name table (~15 ms) again for each of the model's ~400 submodules: 21 of the 27 s
-    the 135M chat model took. While this is open, a path's ``GGUFReader`` and an architecture's name
-    table are made once and shared; both are only read. transformers imports the two names from
-    ``gguf`` when it calls them."""
+    the 135M chat model took. While a conversion runs, a path's ``GGUFReader`` and an architecture's
+    name table are made once and shared; both are only read. transformers imports the two names from
+    ``gguf`` when it calls them, so they are swapped in the module itself: that is process-wide, hence
+    counted. The first conversion to start installs them and the last to end puts gguf's own back;
+    with a save and restore per conversion, two threads ending out of order left the shared ones
+    installed for good."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.originals: tuple[Any, Any] | None = None
+        self.readers: dict[tuple[Any, ...], Any] = {}
+        self.name_maps: dict[tuple[Any, ...], Any] = {}
+
+    def enter(self, gguf: Any) -> None:
+        with self.lock:
+            if self.users == 0:
+                self.originals = (gguf.GGUFReader, gguf.get_tensor_name_map)
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.reader, self.name_map
+            self.users += 1
+
+    def leave(self, gguf: Any) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.originals
+                self.originals = None
+                self.readers.clear()  # a reader maps its file: none kept past the conversions
+                self.name_maps.clear()
+
+    def reader(self, path: Any, mode: str = "r") -> Any:
+        stat = os.stat(path)
+        key = (os.path.realpath(path), mode, stat.st_size, stat.st_mtime_ns)
+        with self.lock:
+            found = self.readers.get(key)
+        if found is None:  # parsed outside the lock: another conversion's reads go on meanwhile
+            found = self.originals[0](path, mode)
+            with self.lock:
+                found = self.readers.setdefault(key, found)
+        return found
+
+    def name_map(self, arch: Any, n_blocks: int) -> Any:
+        with self.lock:
+            if (arch, n_blocks) not in self.name_maps:
+                self.name_maps[arch, n_blocks] = self.originals[1](arch, n_blocks)
+            return self.name_maps[arch, n_blocks]
+
+
+_SHARED_GGUF = _SharedGGUF()
+
+
+@contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Each GGUF parsed once while the conversions inside run (``_SharedGGUF`` says why)."""
     try:
         import gguf
     except ImportError:  # check_gguf says what is missing
         yield
         return
-    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[Any, ...], Any] = {}
-    name_maps: dict[tuple[Any, ...], Any] = {}
-
-    def shared_reader(path: Any, mode: str = "r") -> Any:
-        stat = os.stat(path)
-        key = (os.path.realpath(path), mode, stat.st_size, stat.st_mtime_ns)
-        if key not in readers:
-            readers[key] = make_reader(path, mode)
-        return readers[key]
-
-    def shared_name_map(arch: Any, n_blocks: int) -> Any:
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = make_name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
+    _SHARED_GGUF.enter(gguf)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
+        _SHARED_GGUF.leave(gguf)
 
 
 def _convert(path: Path, out: Path, stored: str) -> None:

@@ -209,6 +209,7 @@ def test_a_conversion_parses_each_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
     write(first, 3)
     write(second, 5)
     original = gguf.GGUFReader, gguf.get_tensor_name_map
+    assert original[0] is gguf.gguf_reader.GGUFReader  # gguf's own: no conversion before left its patch
     with model_source._gguf_read_once():
         reader = gguf.GGUFReader(first)
         assert gguf.GGUFReader(str(first)) is reader and gguf.GGUFReader(second) is not reader
@@ -224,3 +225,41 @@ def test_a_conversion_parses_each_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
         raise RuntimeError("a conversion that fails")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original
     assert gguf.GGUFReader(second) is not gguf.GGUFReader(second)
+
+
+def test_conversions_in_two_threads_ending_out_of_order_leave_gguf_as_it_was():
+    """The shared reader is installed in gguf itself, for the whole process: with a save and restore per
+    conversion, one thread starting, a second starting, the first ending, then the second left it
+    installed for good (found when the test above ran after two conversions at once)."""
+    import threading
+
+    gguf = pytest.importorskip("gguf")
+    from gguf.gguf_reader import GGUFReader
+
+    from workers.model import model_source
+
+    assert gguf.GGUFReader is GGUFReader  # gguf's own, whatever ran before
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with model_source._gguf_read_once():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with model_source._gguf_read_once():
+            second_in.set()
+            first_out.wait(10)
+            seen.append(gguf.GGUFReader is not GGUFReader)  # still shared while this conversion runs
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert first_out.is_set() and seen == [True]
+    assert gguf.GGUFReader is GGUFReader and gguf.get_tensor_name_map is not None
+    assert model_source._SHARED_GGUF.users == 0 and not model_source._SHARED_GGUF.readers
