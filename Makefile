@@ -45,9 +45,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # PYTHONFAULTHANDLER: a crash in native code (during the run or at exit) prints every thread's stack.
-# Two xdist workers, each test module whole on one, the Ray modules first (tests/conftest.py).
+# Two xdist workers, each test module whole on one (loadfile: its module fixtures, a Ray cluster say, are
+# built once), in collection order (no reorder by size: the Ray modules first, tests/conftest.py).
+# Not loadgroup: with pytest 9.2 it no longer groups anything (pytest-dev/pytest-xdist#1386), silently.
 test: $(STAMP)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadgroup
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The main job on the embedded default: the real chat model (SmolLM2-135M-Instruct), 2 CPU workers on a private Ray instance.
 run: $(STAMP)

@@ -1,9 +1,10 @@
-"""``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): each module whole on one
-worker, so its fixtures are built once, and the modules that start Ray first, so the short tests fill the
-cores around them. Ray tests may run beside each other: every private instance is started with
-``address="local"`` (a bare ``ray.init()`` joins whichever cluster this host started last), and the
-``ray start --head`` of test_ray_job.py takes ports of its own and stops only its own processes. The ``ray``
-marker (``-m "not ray"``) selects the tests without a cluster."""
+"""``make test`` runs the suite on two pytest-xdist workers (``--dist loadfile --no-loadscope-reorder``): each
+module whole on one worker, so its fixtures are built once, and the modules that start Ray first, so the
+short tests fill the cores around them (``tests/test_suite_layout.py`` holds the Makefile to both). Ray
+tests may run beside each other: every private instance is started with ``address="local"`` (a bare
+``ray.init()`` joins whichever cluster this host started last), and the ``ray start --head`` of
+test_ray_job.py takes ports of its own and stops only its own processes. The ``ray`` marker
+(``-m "not ray"``) selects the tests without a cluster."""
 
 import os
 import sys
@@ -69,11 +70,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ray: starts or joins a Ray cluster")
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects and xdist reads the groups into the test ids
+@pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(RAY_FOLDER):
             item.add_marker(pytest.mark.ray)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     # The long Ray modules first, so that under xdist the short tests fill the cores around them.
     items.sort(key=lambda item: item.get_closest_marker("ray") is None)
