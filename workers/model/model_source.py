@@ -186,24 +186,28 @@ class _SharedGGUF:
         with self.lock:
             self.users -= 1
             if self.users == 0:
-                gguf.GGUFReader, gguf.get_tensor_name_map = self.originals
-                self.originals = None
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.originals  # kept: a late call still works
                 self.readers.clear()  # a reader maps its file: none kept past the conversions
                 self.name_maps.clear()
 
     def reader(self, path: Any, mode: str = "r") -> Any:
+        """Shared while a conversion runs; a call that comes after the last one ended (a reference taken
+        while shared) gets a reader of its own."""
         stat = os.stat(path)
         key = (os.path.realpath(path), mode, stat.st_size, stat.st_mtime_ns)
         with self.lock:
-            found = self.readers.get(key)
+            make, found = self.originals[0], self.readers.get(key)
         if found is None:  # parsed outside the lock: another conversion's reads go on meanwhile
-            found = self.originals[0](path, mode)
+            found = make(path, mode)
             with self.lock:
-                found = self.readers.setdefault(key, found)
+                if self.users:
+                    found = self.readers.setdefault(key, found)
         return found
 
     def name_map(self, arch: Any, n_blocks: int) -> Any:
         with self.lock:
+            if not self.users:
+                return self.originals[1](arch, n_blocks)
             if (arch, n_blocks) not in self.name_maps:
                 self.name_maps[arch, n_blocks] = self.originals[1](arch, n_blocks)
             return self.name_maps[arch, n_blocks]

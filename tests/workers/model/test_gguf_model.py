@@ -263,3 +263,7 @@ def test_conversions_in_two_threads_ending_out_of_order_leave_gguf_as_it_was():
     assert first_out.is_set() and seen == [True]
     assert gguf.GGUFReader is GGUFReader and gguf.get_tensor_name_map is not None
     assert model_source._SHARED_GGUF.users == 0 and not model_source._SHARED_GGUF.readers
+    # A reference taken while shared and called after the last conversion: a fresh reader, nothing kept.
+    late = model_source._SHARED_GGUF.reader
+    assert late(model_source.preset_gguf("smollm2-135m-instruct")) is not None
+    assert not model_source._SHARED_GGUF.readers
