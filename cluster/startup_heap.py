@@ -4,9 +4,10 @@ After imports, the tokenizer and the model, an engine process tracks some 400,00
 every full (generation 2) collection walks all of them: about 0.1 s here, paid by whatever
 allocates at that moment. Measured on 16 simulated workers' coordinator: two such collections
 in each step that admits 1,024 requests, half of those steps' 0.3 s of CPU. ``gc.freeze`` moves
-what is alive now out of the collected generations (vLLM's engine does the same after start-up,
-``freeze_gc_heap``); what the run allocates is still collected as before. Only in the engine's
-own Ray actors: in a user's process it would freeze the user's objects as well.
+what is tracked now (the start-up garbage too: ``freeze_startup_heap``) out of the collected
+generations (vLLM's engine does the same after start-up, ``freeze_gc_heap``); what the run
+allocates is still collected as before. Only in the engine's own Ray actors: in a user's process
+it would freeze the user's objects as well.
 
 Before the freeze, while such a process imports transformers and builds its model, the collector
 is paused (``collection_paused``): every collection then walks the long-lived objects made so far,
@@ -36,8 +37,11 @@ def collection_paused() -> Iterator[None]:
 
 
 def freeze_startup_heap() -> int:
-    """Collect what is garbage now (a frozen object is never collected), then freeze the rest;
-    returns how many objects are frozen."""
-    gc.collect()
+    """Freeze everything tracked now; returns how many objects are frozen.
+
+    No collection first: on a worker with the real model it walked 540,000 objects for 0.25 CPU-s,
+    in every engine process's start, to free some 5,800 (import-time leftovers: lists, sets,
+    functions, frames of handled exceptions; no tensor, file or socket), about 7 MB. Frozen, they
+    stay for the process's life, a fixed 7 MB beside a worker's hundreds."""
     gc.freeze()
     return gc.get_freeze_count()
