@@ -6,6 +6,7 @@ tests may run beside each other: every private instance is started with ``addres
 test_ray_job.py takes ports of its own and stops only its own processes. The ``ray`` marker
 (``-m "not ray"``) selects the tests without a cluster."""
 
+import gc
 import os
 import sys
 
@@ -64,6 +65,13 @@ def no_idle_ray_processes() -> None:
 
 
 no_idle_ray_processes()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collection imported every test module and with them torch, transformers and Ray: some 500,000
+    objects that live as long as the worker. Frozen, the full collections the tests' own garbage sets
+    off no longer walk them (as the engine's actors do after start-up, ``cluster.startup_heap``)."""
+    gc.freeze()
 
 
 def pytest_configure(config: pytest.Config) -> None:
