@@ -41,6 +41,14 @@ from workers.model.model_source import gguf_to_transformers, preset_gguf  # noqa
 from workers.row_work import RowWork  # noqa: E402
 
 
+def step_tokens(rows: int, position: int) -> int:
+    """The runner's ``max_step_tokens``: the bench's largest step is the prefill of ``rows`` prompts of
+    ``position`` tokens (capped at the engine's default, 2048, which the default sizes reach). The
+    runner proves its linears row-invariant up to that many rows, once per host: where bfloat16 is
+    emulated, proving 2,048 for the smoke run's 16-token steps took some 10 CPU-s."""
+    return min(rows * position, 2048)
+
+
 def decode_rows(runner: ModelRunner, rows: int, position: int) -> list[RowWork]:
     """Prefill ``rows`` prompts of ``position`` tokens, then one decode token each. Each row's blocks
     are scattered over the pool, as an engine's free list leaves them once requests come and go."""
@@ -216,11 +224,11 @@ def exact_ops_saving(model_dir: Path, dtype: str, rows: int, position: int, repe
         return
     available = exact_ops.available
     runners = {"with the native ops": ModelRunner(model_dir, "cpu", dtype=dtype, max_model_len=1024, max_rows=rows,
-                                                  verify=False)}
+                                                  max_step_tokens=step_tokens(rows, position), verify=False)}
     exact_ops.available = lambda: False  # the second runner keeps torch's ops
     try:
         runners["torch's ops"] = ModelRunner(model_dir, "cpu", dtype=dtype, max_model_len=1024, max_rows=rows,
-                                             verify=False)
+                                             max_step_tokens=step_tokens(rows, position), verify=False)
     finally:
         exact_ops.available = available
     steps = {name: decode_rows(runner, rows, position) for name, runner in runners.items()}
@@ -248,7 +256,8 @@ def main() -> None:
     model_dir = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows, verify=False)
+    runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows,
+                         max_step_tokens=step_tokens(args.rows, args.position), verify=False)
     step = decode_rows(runner, args.rows, args.position)
     linears(runner, step, args.repeats)
     memory_floor(runner, step, args.repeats)
