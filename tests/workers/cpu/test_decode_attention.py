@@ -3,6 +3,7 @@ reference, over random pool layouts."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -178,15 +179,15 @@ def test_a_worker_without_a_build_compiles_one_on_first_use_and_a_second_startin
     cache holds the build of this very source, flags and CPU (``make setup`` makes it), the wrapper
     copies that to its ``-o`` instead of spending 9 CPU-s on g++ again; else it compiles."""
     kernels, calls = tmp_path / "kernels", tmp_path / "compiler-runs"
-    host_build = native_attention.library_path()  # before RAYSAMPLE_KERNEL_DIR points here
+    host_build = shlex.quote(str(native_attention.library_path()))  # before RAYSAMPLE_KERNEL_DIR points here
     compiler = tmp_path / "logging-g++"
     compiler.write_text(f"""#!/bin/sh
-echo run >> {calls}
+echo run >> {shlex.quote(str(calls))}
 sleep 1
 out=; previous=
 for argument in "$@"; do [ "$previous" = -o ] && out=$argument; previous=$argument; done
 [ -f {host_build} ] && [ -n "$out" ] && exec cp {host_build} "$out"
-exec {shutil.which('g++')} "$@"
+exec {shlex.quote(shutil.which('g++') or 'g++')} "$@"
 """)
     compiler.chmod(0o755)
     monkeypatch.setenv("RAYSAMPLE_KERNEL_DIR", str(kernels))
