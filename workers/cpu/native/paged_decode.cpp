@@ -68,7 +68,8 @@ inline float exp_nonpositive(float x) {
 }
 
 // Hardware prefetchers stop at 4 KiB pages, and one token's key is a few cache lines: fetch the
-// keys `kAhead` tokens on (within the block) while this one is used, and the next block's start.
+// keys `kAhead` tokens on (within the block) while this one is used, and the same token's row of
+// the next block, so that the next block arrives spread over this one's reads.
 constexpr int64_t kAhead = 16;
 constexpr int64_t kLine = 64;  // bytes
 
@@ -94,14 +95,12 @@ inline void for_each_key(const T* pool, const Shape& s, const int64_t* table, in
   const int64_t bs = s.block_size, dim = s.head_dim, slice_elems = bs * dim;
   for (int64_t b = first / bs; b <= last / bs; ++b) {
     const T* tokens = pool + (table[b] * s.kv_heads + h) * slice_elems;
-    if (b < last / bs) {
-      const T* next = pool + (table[b + 1] * s.kv_heads + h) * slice_elems;
-      for (int64_t t = 0; t < kAhead; ++t) prefetch_elements(next + t * dim, dim);
-    }
+    const T* next = b < last / bs ? pool + (table[b + 1] * s.kv_heads + h) * slice_elems : nullptr;
     const int64_t lo = std::max(first, b * bs), hi = std::min(last + 1, (b + 1) * bs);
     for (int64_t t = lo; t < hi; ++t) {
       const T* token = tokens + (t - b * bs) * dim;
       if (t + kAhead < hi) prefetch_elements(token + kAhead * dim, dim);
+      if (next) prefetch_elements(next + (t - b * bs) * dim, dim);
       body(t, token);
     }
   }
@@ -134,11 +133,14 @@ inline QuerySpan query_span(const Shape& s, const int64_t* query_pos, int64_t wi
 // share the memory bandwidth, bfloat16 25.8 -> 23.1 ms and float32 38.9 -> 36.1 ms.
 // A task is one row's queries against one KV head: `kTasksAhead` tasks on, the keys and values of
 // its first block go to L2 (prefetcht1) while this one computes (a thread's first tasks to L1),
-// and within a task each next block is fetched into L1 while the one before it is read
-// (prefetch_elements). Fetching whole tasks ahead instead, hundreds of prefetches in a burst, cost
-// more than it saved on an Intel AVX-512 Xeon (2 cores, KVM): there, per 64-row forward at
-// position 200 (30 layers, alternating builds), the kernel went bfloat16 35.8 -> 26.9 ms and
-// float32 56.0 -> 41.9 ms with this and the other changes of that commit; identical outputs.
+// and within a task each next block is fetched into L1 a token's row at a time, beside the same
+// row of the block being read. Bursts cost more than they saved on an Intel AVX-512 Xeon (2 cores,
+// KVM): whole tasks ahead (hundreds of prefetches) first, then a whole next block at each block's
+// start (a fifth of a bfloat16 call's samples waited on those prefetch loops). Per 64-row forward
+// at position 200 (30 layers, alternating builds, identical outputs), the kernel went bfloat16
+// 35.8 -> 26.9 ms and float32 56.0 -> 41.9 ms without the task bursts, then 26.8 -> 22.0 and
+// 34.6 -> 29.6 ms with blocks spread (and padding slots skipped, full score chunks stored whole);
+// built for x86-64-v3 on the same CPU, float32 44.3 -> 38.8 ms.
 constexpr int64_t kTasksAhead = 2;
 
 template <int Locality>
@@ -368,9 +370,14 @@ inline f32x16 round_bf16_lanes(f32x16 x) {
 }
 
 // The first n (<= 16) lanes of x into `into`, rounded to bfloat16 values first where `rounded`.
+// A full chunk is one vector store: a copy of variable length became `rep movs`, whose start-up
+// took about a tenth of a bfloat16 decode call with K/V hot (perf, Intel AVX-512 Xeon).
 inline void store_scores(float* into, f32x16 x, int64_t n, bool rounded) {
   if (rounded) x = round_bf16_lanes(x);
-  std::memcpy(into, &x, n * sizeof(float));
+  if (n == kLanes)
+    std::memcpy(into, &x, sizeof(x));
+  else
+    std::memcpy(into, &x, n * sizeof(float));
 }
 
 // attend_row_head's semantics, head_dim = 16 * CH: the head dim's lane groups known at compile
@@ -399,19 +406,22 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
 
   // Scores, 16 keys at a time within a block.
   for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t real = std::min(kTile, width - tile * kTile);  // the tile's slots past `width`: no products
     f32x16 q[kTile][CH];
     for (int64_t w = 0; w < kTile; ++w)
       for (int c = 0; c < CH; ++c) q[w][c] = queries[(tile * kTile + w) * CH + c];
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(k_pool, b);
-      if (b < max_pos / bs) prefetch_elements(block_start(k_pool, b + 1), slice_elems);
+      const T* next = b < max_pos / bs ? block_start(k_pool, b + 1) : nullptr;
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
-          const T* key = tokens + (lo + j - b * bs) * dim;
+          const int64_t at = (lo + j - b * bs) * dim;
+          const T* key = tokens + at;
+          if (next) prefetch_elements(next + at, dim);
           f32x16 k[CH];
           for (int c = 0; c < CH; ++c) k[c] = load_lanes(key + c * kLanes);
-          for (int64_t w = 0; w < kTile; ++w) {
+          for (int64_t w = 0; w < real; ++w) {
             f32x16 part = q[w][0] * k[0];
             for (int c = 1; c < CH; ++c) part += q[w][c] * k[c];
             parts[w * kLanes + j] = part;
@@ -433,9 +443,10 @@ void attend_row_head_lanes(const Q* q_all, Q* out, const T* k_pool, const T* v_p
     f32x16 a[kTile][CH] = {};
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const T* tokens = block_start(v_pool, b);
-      if (b < max_pos / bs) prefetch_elements(block_start(v_pool, b + 1), slice_elems);
+      const T* next = b < max_pos / bs ? block_start(v_pool, b + 1) : nullptr;
       for (int64_t t = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); t < end; ++t) {
         const T* value = tokens + (t - b * bs) * dim;
+        if (next) prefetch_elements(next + (t - b * bs) * dim, dim);
         f32x16 v[CH];
         for (int c = 0; c < CH; ++c) v[c] = load_lanes(value + c * kLanes);
         for (int64_t w = 0; w < kTile; ++w) {
@@ -486,19 +497,22 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
   const int64_t slice_elems = bs * dim;
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t real = std::min(kTile, width - tile * kTile);  // the tile's slots past `width`: no products
     __m512bh q[kTile][kPairs];
     for (int64_t w = 0; w < kTile; ++w)
       for (int c = 0; c < kPairs; ++c) q[w][c] = load_pairs(&queries[(tile * kTile + w) * dim + c * 32]);
     for (int64_t b = first / bs; b <= max_pos / bs; ++b) {
       const uint16_t* tokens = k_pool + (table[b] * s.kv_heads + h) * slice_elems;
-      if (b < max_pos / bs) prefetch_elements(k_pool + (table[b + 1] * s.kv_heads + h) * slice_elems, slice_elems);
+      const uint16_t* next = b < max_pos / bs ? k_pool + (table[b + 1] * s.kv_heads + h) * slice_elems : nullptr;
       for (int64_t lo = std::max(first, b * bs), end = std::min(max_pos + 1, (b + 1) * bs); lo < end; lo += kLanes) {
         const int64_t n = std::min(kLanes, end - lo);
         for (int64_t j = 0; j < n; ++j) {
-          const uint16_t* key = tokens + (lo + j - b * bs) * dim;
+          const int64_t at = (lo + j - b * bs) * dim;
+          const uint16_t* key = tokens + at;
+          if (next) prefetch_elements(next + at, dim);
           __m512bh k[kPairs];
           for (int c = 0; c < kPairs; ++c) k[c] = load_pairs(key + c * 32);
-          for (int64_t w = 0; w < kTile; ++w) {
+          for (int64_t w = 0; w < real; ++w) {
             __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[w][0], k[0]);
             for (int c = 1; c < kPairs; ++c) part = _mm512_dpbf16_ps(part, q[w][c], k[c]);
             parts[w * kLanes + j] = (f32x16)part;
@@ -532,8 +546,8 @@ void attend_row_head_bf16_dot(const uint16_t* q_all, uint16_t* out, const uint16
     int64_t block = first / bs, offset = first % bs;
     const auto next_value = [&]() {
       const uint16_t* row = v_pool + (table[block] * s.kv_heads + h) * slice_elems + offset * dim;
-      if (offset == 0 && block < max_pos / bs)  // entering a block: the next one's values on their way
-        prefetch_elements(v_pool + (table[block + 1] * s.kv_heads + h) * slice_elems, slice_elems);
+      if (block < max_pos / bs)  // the same row of the next block on its way
+        prefetch_elements(v_pool + (table[block + 1] * s.kv_heads + h) * slice_elems + offset * dim, dim);
       if (++offset == bs) offset = 0, ++block;
       return row;
     };
