@@ -17,7 +17,7 @@ SmolLM2-135M on CPU (what it measures exists only there), ``--rows`` decode rows
   (``workers/cpu/exact_ops.py``): two runners of the same weights, alternating in one process (this
   machine's speed drifts between runs), medians, and whether their logits are identical.
 
-    python bench/cpu_ops.py [--dtype bfloat16] [--position 200] [--rows 64] [--repeats 15]
+    python bench/cpu_ops.py [--dtype bfloat16] [--position 200] [--rows 64] [--repeats 15] [--random-weights]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from workers.cpu import exact_ops  # noqa: E402
 from workers.cpu.cpu_linear import PrepackedLinear  # noqa: E402
 from workers.model.model_runner import ModelRunner  # noqa: E402
 from workers.model.model_source import gguf_to_transformers, preset_gguf  # noqa: E402
+from workers.model.tiny import ensure_tiny_model  # noqa: E402
 from workers.row_work import RowWork  # noqa: E402
 
 
@@ -252,8 +253,14 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=200)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="SmolLM2-135M's shapes with random weights (model.tiny: smollm2-shape), where the real "
+                             "model is not installed (a lent machine): a step's time does not depend on the values")
     args = parser.parse_args()
-    model_dir = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), args.dtype)
+    if args.random_weights:
+        model_dir = ensure_tiny_model("smollm2-shape")
+    else:
+        model_dir = gguf_to_transformers(preset_gguf("smollm2-135m-instruct"), args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     runner = ModelRunner(model_dir, "cpu", dtype=args.dtype, max_model_len=1024, max_rows=args.rows,
