@@ -50,6 +50,33 @@ def check_job_paths(input_path: Path, output_path: Path, config_path: Path) -> N
                 f"{flag} {path} is not in the job's copy of --working-dir (files that .gitignore excludes are "
                 "not uploaded); pass an absolute path the head node can read")
         raise JobPathError(f"{flag} {path} does not exist")
+    check_distinct({"--input": input_path, "--config": config_path, "--output": output_path})
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (device and inode: through symlinks, ``./`` and hard links)."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def check_distinct(paths: dict[str, Path]) -> None:
+    """Input, config and output must be three files: a job writing its output over its own input or
+    config would destroy what it reads (``--output`` equal to ``--input`` truncated the input with
+    ``--overwrite``). The output's ``.rejected`` file (torn records are moved there) counts as the output."""
+    named = list(paths.items())
+    output = paths.get("--output")
+    if output is not None:
+        named.append(("--output's .rejected file", output.with_name(output.name + ".rejected")))
+    for i, (flag, path) in enumerate(named):
+        for other_flag, other in named[i + 1:]:
+            if other_flag.startswith("--output") and flag.startswith("--output"):
+                continue
+            if same_file(path, other):
+                raise JobPathError(f"{flag} {path} and {other_flag} {other} are the same file; the job would "
+                                   "write over what it reads: choose another output")
 
 
 def unwritable(path: Path) -> str | None:
