@@ -128,12 +128,15 @@ def signals_held() -> Iterator[None]:
 
 
 def prompt_tokens_line(stats: dict) -> str:
-    """Prompt tokens computed against given: what the prefix cache (and grouping by prefix) saved."""
+    """Prompt tokens computed against given (once per sequence: a request with ``n`` = 2 gives its prompt
+    twice, its second sequence reading the first's blocks): what the prefix cache saved."""
     given, computed = stats.get("prompt_tokens") or 0, stats.get("prefill_tokens") or 0
     if computed <= given:
         saved = f"{1 - computed / given:.0%} found in the prefix cache" if given else "none given"
+    elif stats.get("preemptions"):
+        saved = f"more: {stats['preemptions']} preempted request(s) were recomputed"
     else:
-        saved = "more: preempted requests were recomputed"
+        saved = "more: requests re-run after a failure were recomputed"
     return f"prompt tokens: {computed} computed of {given} given ({saved})"
 
 
@@ -218,7 +221,8 @@ def _run(args: argparse.Namespace) -> int:
         from cluster.entrypoints.job_formats import GenerateFormat, OpenAIBatchFormat, pending_lines
         from cluster.entrypoints.job_lines import input_lines
         from cluster.entrypoints.job_progress import describe_start
-        from cluster.entrypoints.job_records import OutputLocked, lock_output, rejected_path, set_aside_torn
+        from cluster.entrypoints.job_records import (OutputLocked, OutputUnwritable, lock_output, rejected_path,
+                                                     set_aside_torn)
         from cluster.job_paths import JobPathError, check_job_paths
         from cluster.preflight import PreflightError, preflight
         from cluster.quiet import quiet_libraries
@@ -263,77 +267,82 @@ def _run(args: argparse.Namespace) -> int:
     except OutputLocked as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
-    if args.overwrite:
-        lock.truncate(0)
-    elif (torn := set_aside_torn(args.output)):
+    try:  # the output's lock is let go however the job ends (a caller's process may go on)
         try:
-            lock.close()
-            lock = lock_output(args.output)  # the rewritten file is a new one
-        except OutputLocked as exc:
+            torn = 0 if args.overwrite else set_aside_torn(args.output)
+            if args.overwrite:
+                lock.truncate(0)
+            elif torn:
+                lock.close()
+                lock = lock_output(args.output)  # the rewritten file is a new one
+        except (OutputLocked, OutputUnwritable) as exc:
             print(f"raysample: {exc}", file=sys.stderr)
             return 2
-        print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
-              f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
-    resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
-    print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
-    line_format.prefetch_tokenizer()
-    ray_up = time.monotonic()
-    try:
-        if not args.local:
-            from cluster.ray.ray_cluster import ensure_ray
+        if torn:
+            print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
+                  f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
+        resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
+        print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
+        line_format.prefetch_tokenizer()
+        ray_up = time.monotonic()
+        try:
+            if not args.local:
+                from cluster.ray.ray_cluster import ensure_ray
 
-            ensure_ray(config)  # first, so that the time to the first result counts from here
-            ray_up = time.monotonic()
-        backend = build_engine(config, local=args.local)
-    except Exception as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-              " (--verbose shows the traceback)", file=sys.stderr)
-        return 1
-    try:
-        name = getattr(backend, "name", None)
-        print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
-        counters = job_runner.run_job(config, backend, args.input, args.output,
-                           args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
-                           line_format)
-        stats = backend.stats()
-    except KeyboardInterrupt as exc:
-        # Every result so far was written and flushed as it finished; nothing is torn.
-        return interrupted(exc, args)
-    except Exception as exc:
-        if args.verbose:
-            traceback.print_exc()
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"raysample: the job failed: {type(exc).__name__}: {first}" + ("" if args.verbose else
-              " (--verbose shows the traceback)") + f"; the results so far are in {args.output}, and re-running the "
-              "same command resumes", file=sys.stderr, flush=True)
-        return 1
+                ensure_ray(config)  # first, so that the time to the first result counts from here
+                ray_up = time.monotonic()
+            backend = build_engine(config, local=args.local)
+        except Exception as exc:
+            if args.verbose:
+                traceback.print_exc()
+            print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                  " (--verbose shows the traceback)", file=sys.stderr)
+            return 1
+        try:
+            name = getattr(backend, "name", None)
+            print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
+            counters = job_runner.run_job(config, backend, args.input, args.output,
+                               args.max_in_flight or 2 * config.scheduler.max_num_seqs, args.show, args.log_every,
+                               line_format)
+            stats = backend.stats()
+        except KeyboardInterrupt as exc:
+            # Every result so far was written and flushed as it finished; nothing is torn.
+            return interrupted(exc, args)
+        except Exception as exc:
+            if args.verbose:
+                traceback.print_exc()
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"raysample: the job failed: {type(exc).__name__}: {first}" + ("" if args.verbose else
+                  " (--verbose shows the traceback)") + f"; the results so far are in {args.output}, and re-running the "
+                  "same command resumes", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            shut_down(backend, args.verbose)
+        elapsed = time.monotonic() - counters.started
+        acceptance = stats.get("spec_acceptance")
+        where = "the engine started (--local)" if args.local else "Ray was up"
+        first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
+        print(
+            f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
+            f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
+            f"= {counters.rate():.0f} tokens/s; spec acceptance "
+            + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
+            flush=True,
+        )
+        print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
+        if counters.first_errors:
+            shown = len(counters.first_errors)
+            print(f"[raysample] {'the first ' + str(shown) + ' of ' if shown < counters.errors else ''}"
+                  f"{counters.errors} error(s), each a record with \"error\" in {args.output}:", flush=True)
+            for line in counters.first_errors:
+                print(f"[raysample]   {line}", flush=True)
+        if counters.retryable:  # the engine failed them, not the requests: the caller should resume
+            print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
+                  f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
+            return 1
+        return 0
     finally:
-        shut_down(backend, args.verbose)
-    elapsed = time.monotonic() - counters.started
-    acceptance = stats.get("spec_acceptance")
-    where = "the engine started (--local)" if args.local else "Ray was up"
-    first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
-    print(
-        f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
-        f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
-        f"= {counters.rate():.0f} tokens/s; spec acceptance "
-        + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
-        flush=True,
-    )
-    print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
-    if counters.first_errors:
-        shown = len(counters.first_errors)
-        print(f"[raysample] {'the first ' + str(shown) + ' of ' if shown < counters.errors else ''}"
-              f"{counters.errors} error(s), each a record with \"error\" in {args.output}:", flush=True)
-        for line in counters.first_errors:
-            print(f"[raysample]   {line}", flush=True)
-    if counters.retryable:  # the engine failed them, not the requests: the caller should resume
-        print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
-              f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        lock.close()
 
 
 def shut_down(backend: Any, verbose: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,36 +88,68 @@ def rejected_path(path: Path) -> Path:
     return path.with_name(path.name + ".rejected")
 
 
+class OutputUnwritable(RuntimeError):
+    """The output, or a file the job keeps beside it, cannot be written: one line, exit 2."""
+
+
 def set_aside_torn(path: Path) -> int:
     """Move every torn line of an existing output to ``<output>.rejected`` (appended), leaving valid JSONL.
 
     A torn record (a crash mid-write, a full disk, an edit) was skipped on resume, so its id ran
     again, but the file stayed unparseable. The output is rewritten only when a torn line is found:
     into a temporary file beside it, then renamed over it (a crash leaves the old file or the new).
-    Returns how many lines were set aside; the caller must lock the new file again."""
+    A symlinked output is rewritten where it points (the link stays a link). Returns how many lines
+    were set aside; the caller must lock the new file again. ``OutputUnwritable`` when the rejected
+    file or the rewrite cannot be written; then nothing has changed and no temporary file is left."""
     if not path.exists() or not path.stat().st_size:
         return 0
     with path.open("rb") as f:
         if all(parse_record(raw) is not None for raw in f if raw.strip()):
             return 0
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    real = Path(os.path.realpath(path))  # rename over the target, not over the link
+    temp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
+    rejected_file = rejected_path(path)
     torn = 0
-    with path.open("rb") as f, temp.open("wb") as kept, rejected_path(path).open("ab") as rejected:
-        for raw in f:
-            if not raw.strip():
-                continue
-            line = raw if raw.endswith(b"\n") else raw + b"\n"
-            if parse_record(raw) is None:
-                rejected.write(line)
-                torn += 1
-            else:
-                kept.write(line)
-        rejected.flush()
-        os.fsync(rejected.fileno())
-        kept.flush()
-        os.fsync(kept.fileno())
-    os.replace(temp, path)
+    existed = os.path.lexists(rejected_file)
+    rejected_size = rejected_file.stat().st_size if rejected_file.is_file() else None
+    try:
+        with rejected_file.open("ab") as rejected, path.open("rb") as f, temp.open("wb") as kept:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                line = raw if raw.endswith(b"\n") else raw + b"\n"
+                if parse_record(raw) is None:
+                    rejected.write(line)
+                    torn += 1
+                else:
+                    kept.write(line)
+            rejected.flush()
+            os.fsync(rejected.fileno())
+            kept.flush()
+            os.fsync(kept.fileno())
+        shutil.copymode(real, temp)
+        os.replace(temp, real)
+    except OSError as exc:
+        if not existed:
+            rejected_file.unlink(missing_ok=True)
+        elif rejected_size is not None:
+            _undo_rejected(rejected_file, rejected_size)
+        where = exc.filename or path
+        raise OutputUnwritable(f"{torn or 'some'} torn record(s) in {path} must be moved aside, but {where} cannot "
+                               f"be written ({exc.strerror or exc}); fix that or start afresh with --overwrite"
+                               ) from None
+    finally:
+        temp.unlink(missing_ok=True)
     return torn
+
+
+def _undo_rejected(rejected_file: Path, size: int) -> None:
+    """Put ``<output>.rejected`` back as it was before a rewrite that failed (its lines stay in the output)."""
+    try:
+        if rejected_file.stat().st_size > size:
+            os.truncate(rejected_file, size)
+    except OSError:
+        pass
 
 
 def open_for_append(path: Path) -> TextIO:
