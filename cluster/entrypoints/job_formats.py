@@ -73,7 +73,7 @@ class GenerateFormat:
         except JSONLineError:
             return None
         rid = record.get(self.id_field) if isinstance(record, dict) else None
-        return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+        return rid if usable_id(rid) else None
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
         rid, num_logprobs = context
@@ -83,15 +83,20 @@ class GenerateFormat:
         return error_record(rid, line_no, message)
 
     def written(self, path: Path) -> Written:
+        """What the output already holds. A record is read for what its fields can mean and never
+        trusted for their types (an output can be edited by hand): an id that is not a string or an
+        integer, an ``input_sha`` that is not a string, a ``retryable`` that is not ``false``, mark nothing
+        done, so that line runs again."""
         seen = Written()
         for record in read_records(path):
-            if record.get("retryable"):
+            if record.get("retryable", False) is not False:
                 continue
             if record.get("error") is not None:
-                if record.get("input_sha"):
-                    seen.lines.add(record["input_sha"])
-            elif record.get(self.id_field) is not None:
-                seen.ids.add(id_key(record[self.id_field]))
+                digest = record.get("input_sha")
+                if isinstance(digest, str) and digest:
+                    seen.lines.add(digest)
+            elif usable_id(rid := record.get(self.id_field)):
+                seen.ids.add(id_key(rid))
         return seen
 
 
@@ -115,6 +120,11 @@ class OpenAIBatchFormat(GenerateFormat):
 
     def error(self, rid: Any, line_no: int, message: str, status_code: int = 400) -> dict[str, Any]:
         return error_line(rid if isinstance(rid, str) else None, message, line_no, status_code)
+
+
+def usable_id(rid: Any) -> bool:
+    """An id a line or a record can carry: a string or an integer (not a bool, a float or a container)."""
+    return isinstance(rid, (str, int)) and not isinstance(rid, bool)
 
 
 def peek_key(fmt: GenerateFormat, raw: bytes | OversizedLine) -> str | None:
