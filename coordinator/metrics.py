@@ -15,7 +15,7 @@ class EngineMetrics:
     spec_proposed: int = 0
     spec_accepted: int = 0
     prefill_tokens: int = 0  # tokens computed for prompts (and recomputed outputs), not decode tokens
-    prompt_tokens: int = 0  # tokens of the prompts given (once per request): prefill_tokens less what the cache saved
+    prompt_tokens: int = 0  # tokens of the prompts given (once per sequence: n per request): prefill_tokens less what the cache saved
     # The pipelined step: rows whose logits came from the forward a worker launched before the plan,
     # and rows that forward computed which the plan did not keep (finished, preempted, moved).
     ahead_rows: int = 0

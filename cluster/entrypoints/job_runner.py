@@ -145,7 +145,7 @@ def run_job(config: RaysampleConfig, backend: RequestAPI, input_path: Path, outp
                         record["retryable"] = True  # an engine failure: a resumed run retries it
                         counters.retryable += 1
                     write(record, line.digest)
-                    counters.tokens += sum(len(o.token_ids) for o in outs)
+                    counters.tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)  # n > 1: all
                     out = failed or outs[0]
                     if out.error:
                         counters.error(line.line_no, rid, out.error)
