@@ -244,6 +244,9 @@ class CacheSection(_Section):
     kv_cache_memory: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
+    # How long a process waits for another that holds a lock of the host's raysample cache (building a
+    # kernel, probing a layer) before it fails with a line naming the holder; it says once that it waits.
+    lock_timeout_s: float = Field(default=900.0, gt=0.0)
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

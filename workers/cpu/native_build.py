@@ -11,6 +11,7 @@ foreign build is never loaded, and a lock makes the workers that start together 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from workers.host_cache import cache_root, one_maker
+from workers.host_cache import cache_root, file_digest, one_maker
 
 STALE_AFTER_S = 30 * 24 * 3600  # another source's build unused this long is removed when one is built
 
@@ -71,10 +72,40 @@ def library_path(source: Path, flags: list[str]) -> Path:
     return folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
+def build_record(library: Path) -> Path:
+    """Beside each build: its size and SHA-256, written when it was compiled."""
+    return library.with_suffix(".sha256")
+
+
+def build_problem(library: Path) -> str | None:
+    """None when ``library`` is the file that was compiled (size and SHA-256 as recorded); else why not.
+    A library is never loaded unchecked: a truncated one crashed the process in ``dlopen`` (SIGBUS), a
+    zeroed one computed NaN."""
+    if not library.exists():
+        return "not built"
+    try:
+        recorded = json.loads(build_record(library).read_text())
+        size, digest = int(recorded["size"]), str(recorded["sha256"])
+    except FileNotFoundError:
+        return f"{library} has no record of its build ({build_record(library).name})"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{build_record(library)} cannot be read ({type(exc).__name__})"
+    try:
+        actual = library.stat().st_size
+        if actual != size:
+            return f"{library} has {actual} bytes where {size} were built"
+        if file_digest(library) != digest:
+            return f"{library} does not match the SHA-256 recorded at its build (damaged or replaced)"
+    except OSError as exc:
+        return f"{library} cannot be read ({exc.strerror or exc})"
+    return None
+
+
 def build(source: Path, flags: list[str]) -> Path:
-    """Compile ``source`` unless this exact build exists; atomic, so concurrent workers may race."""
+    """Compile ``source`` unless this exact build exists and verifies; atomic, so concurrent workers may
+    race. A build that does not verify is compiled again."""
     target = library_path(source, flags)
-    if target.exists():
+    if build_problem(target) is None:
         return target
     wanted = os.environ.get("CXX")
     compiler = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
@@ -87,8 +118,11 @@ def build(source: Path, flags: list[str]) -> Path:
         raise NativeKernelUnavailable(f"cannot create {target.parent} for the build ({exc.strerror}); "
                                       "set RAYSAMPLE_KERNEL_DIR to a writable directory") from None
     with one_maker(target):
-        if target.exists():  # built by the process that held the lock before this one
+        problem = build_problem(target)
+        if problem is None:  # built by the process that held the lock before this one
             return target
+        if problem != "not built":
+            logging.getLogger(__name__).warning("%s; compiling it again", problem)
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
@@ -96,9 +130,14 @@ def build(source: Path, flags: list[str]) -> Path:
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise NativeKernelUnavailable(f"{compiler} failed to build {source.name}:\n{result.stderr[-2000:]}")
-            os.replace(partial, target)
+            record = {"size": partial.stat().st_size, "sha256": file_digest(partial)}
+            staging = build_record(target).with_name(f"{partial.name}.sha256")
+            staging.write_text(json.dumps(record) + "\n")
+            os.replace(partial, target)  # the library first: a record never vouches for a file not yet in place
+            os.replace(staging, build_record(target))
         finally:
             partial.unlink(missing_ok=True)
+            build_record(target).with_name(f"{partial.name}.sha256").unlink(missing_ok=True)
     _remove_stale(source, target)
     return target
 
@@ -113,5 +152,6 @@ def _remove_stale(source: Path, target: Path) -> None:
             if stale != target and now - stale.stat().st_atime > STALE_AFTER_S:
                 stale.unlink()
                 stale.with_suffix(".lock").unlink(missing_ok=True)
+                build_record(stale).unlink(missing_ok=True)
         except OSError:
             pass  # removed by another process meanwhile

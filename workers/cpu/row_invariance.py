@@ -202,17 +202,18 @@ def _host_key(shape: tuple) -> str:
     return digest.hexdigest()[:32]
 
 
-def _stored(store: Path | None, key: str, find: Callable[[], RowWindow | None]) -> RowWindow | None:
+def _stored(store: Path | None, key: str, find: Callable[[], RowWindow | None], limit: int) -> RowWindow | None:
     """The verdict saved for ``key``, else ``find``'s, saved. One process probes a key at a time: the
-    workers of an engine start together, and a worker that waited reads the verdict its sibling saved."""
+    workers of an engine start together, and a worker that waited reads the verdict its sibling saved.
+    A saved verdict outside what ``find`` can return (``limit``: the most rows probed) is probed again."""
     path = store / f"{key}.json" if store is not None else None
     if path is None:
         return find()
-    saved = _read_verdict(path)
+    saved = _read_verdict(path, limit)
     if saved is not None:
         return saved[0]
     with one_maker(path):
-        saved = _read_verdict(path)
+        saved = _read_verdict(path, limit, quiet=True)  # said above, if it was damaged
         if saved is not None:
             return saved[0]
         window = find()
@@ -225,15 +226,31 @@ def _stored(store: Path | None, key: str, find: Callable[[], RowWindow | None]) 
     return window
 
 
-def _read_verdict(path: Path) -> tuple[RowWindow | None] | None:
-    """``(window,)`` as saved (the window may be None: no window needed), or None when there is none."""
+def _read_verdict(path: Path, limit: int, quiet: bool = False) -> tuple[RowWindow | None] | None:
+    """``(window,)`` as saved (the window may be None: no window needed), or None when there is none or
+    it is not one ``find_window`` could have given (``null``, or integers 1 <= low <= high <= limit): a
+    damaged or edited verdict is probed again, never used (a window of 0 rows failed every forward, one of
+    300,000 padded every call to that many rows)."""
     if not path.is_file():
         return None
     try:
         saved = json.loads(path.read_text())
-        return (None if saved is None else RowWindow(saved["low"], saved["high"]),)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable: probe again
+    except (OSError, ValueError, RecursionError):
+        saved = ...
+    if saved is None:
+        return (None,)
+    if isinstance(saved, dict) and set(saved) == {"low", "high"} and valid_window(saved["low"], saved["high"], limit):
+        return (RowWindow(saved["low"], saved["high"]),)
+    if not quiet:
+        logger.warning("row-probe verdict %s is not a valid window (%.80r); probing again", path, saved)
+    return None
+
+
+def valid_window(low: object, high: object, limit: int) -> bool:
+    """Whether (low, high) is a window of row counts a layer probed up to ``limit`` rows can run in."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
+        return False
+    return 1 <= low <= high <= limit
 
 
 def _bucket(rows: int) -> int:
@@ -269,7 +286,7 @@ def make_rows_independent(model: nn.Module, max_tokens: int, max_logit_rows: int
         if key not in verdicts:
             verdicts[key] = _stored(store, _host_key(key),
                                     lambda: find_window(compute, module.in_features, dtype, weight.device, limit,
-                                                        decode_rows=decode_rows))
+                                                        decode_rows=decode_rows), limit)
         window = verdicts[key]
         if window is not None:
             _install(module, window)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -90,18 +91,30 @@ def verify_once(runner: ProbedRunner, model_path: str | Path, trust_remote_code:
     # then find the marker. Not the ranks of a tensor-parallel group: they probe together (the
     # forwards' collectives must meet), all skip or none does, whatever another group wrote meanwhile.
     solo = marker is not None and not in_a_group()
-    if solo and marker.is_file():
+    if solo and _passed(marker, key):
         return
     with one_maker(marker) if solo else nullcontext():
-        if agree_all(marker is not None and marker.is_file()):
+        if agree_all(marker is not None and _passed(marker, key)):
             return
         verify_against_eager(runner)
         if marker is not None:
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(f"{type(runner.model).__name__} passed the paged-attention probe\n")
+                staging = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")  # whole or absent
+                staging.write_text(f"{key}\n{type(runner.model).__name__} passed the paged-attention probe\n")
+                staging.replace(marker)
             except OSError:
                 pass  # an unwritable cache only means probing again next time
+
+
+def _passed(marker: Path | None, key: str | None) -> bool:
+    """Whether ``marker`` says this key passed: its first line is the key (a damaged or foreign file does not)."""
+    if marker is None:
+        return False
+    try:
+        return marker.read_text().split("\n", 1)[0] == key
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 # Float32: the paged path computes what eager attention computes, to rounding.
@@ -174,6 +187,12 @@ def _probe_rows(tokens: list[int]) -> tuple[int, list[int]]:
     """The probe feeds two prefill chunks, then one decode token: the logits rows it compares."""
     split = len(tokens) // 2
     return split, [split - 1, *range(split, len(tokens))]
+
+
+def probe_logits(runner: ProbedRunner) -> torch.Tensor:
+    """The probe's logits through the paged runner as it runs now (``ModelRunner.self_check``)."""
+    with torch.inference_mode():
+        return _paged_logits(runner, _probe_tokens(runner))
 
 
 def _paged_logits(runner: ProbedRunner, tokens: list[int]) -> torch.Tensor:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from workers.host_cache import cache_root
+from workers.host_cache import cache_root, manifest_problem, set_aside, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,23 @@ def gguf_to_transformers(path: str | Path, dtype: str = "auto") -> Path:
     stored = storage_dtype(dtype)
     models = cache_root() / "models"
     target = models / f"{path.stem}-{_digest(path)}-{stored}-v{CONVERSION_FORMAT}"
-    if (target / ".complete").is_file():  # converted before: the content hash vouches for the file
-        return target
-    with _gguf_read_once():  # the check and the conversion parse the file once between them
-        return _convert_into(path, target, stored)
+    problem = None
+    if target.is_dir():
+        # Converted before: the name vouches for the GGUF, the manifest for every file converted from it.
+        problem = manifest_problem(target)
+        if problem is None:
+            return target
+        print(f"raysample: the converted model does not verify: {problem}; converting {path.name} again",
+              file=sys.stderr, flush=True)
+        set_aside(target)
+    try:
+        with _gguf_read_once():  # the check and the conversion parse the file once between them
+            return _convert_into(path, target, stored)
+    except ModelSourceError as exc:
+        if problem is None:
+            raise
+        raise ModelSourceError(f"the converted model does not verify ({problem}) and cannot be converted "
+                               f"again: {exc}") from None
 
 
 def _convert_into(path: Path, target: Path, stored: str) -> Path:
@@ -138,13 +151,13 @@ def _convert_into(path: Path, target: Path, stored: str) -> Path:
     started = time.perf_counter()
     try:
         _convert(path, scratch, stored)
-        (scratch / ".complete").write_text(f"{path}\n")
+        write_manifest(scratch, note=str(path))
         for item in [scratch, *scratch.iterdir()]:  # readable by every user of a shared cache
             item.chmod(0o755 if item.is_dir() else 0o644)
         try:
             scratch.rename(target)
         except OSError:
-            if not (target / ".complete").is_file():  # not another process that finished first
+            if manifest_problem(target) is not None:  # not another process that finished first
                 raise
             shutil.rmtree(scratch, ignore_errors=True)
     except ModelSourceError:

@@ -11,11 +11,12 @@ import hashlib
 import json
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.host_cache import cache_root
+from workers.host_cache import cache_root, manifest_problem, set_aside, write_manifest
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<think>", "</think>"]
 
@@ -161,16 +162,21 @@ def ensure_tiny_model(preset: str | TinySpec = "default") -> Path:
     else:
         spec = preset
     target = cache_root() / "tiny" / spec.fingerprint()
-    if (target / "config.json").exists():
-        return target
+    if target.is_dir():
+        problem = manifest_problem(target)
+        if problem is None:
+            return target
+        print(f"raysample: the tiny model does not verify: {problem}; building it again", file=sys.stderr, flush=True)
+        set_aside(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         build_tiny_model(spec, staging)
+        write_manifest(staging, note=f"tiny model {spec}")
         try:
             staging.rename(target)
         except OSError:  # another process finished first
-            if not (target / "config.json").exists():
+            if manifest_problem(target) is not None:
                 raise
     finally:
         if staging.exists():

@@ -170,7 +170,7 @@ def test_seeded_requests_alone_equal_batched_where_a_kernel_changes_with_the_row
         return out if flat.shape[0] <= 4 else out * (1 + 2**-6)  # the fake: past 4 rows, other bits
 
     monkeypatch.setattr(PrepackedLinear, "compute", rounds_by_rows)
-    monkeypatch.setattr(row_invariance, "_stored", lambda store, key, find: find())  # no verdict of the fake kept
+    monkeypatch.setattr(row_invariance, "_stored", lambda store, key, find, limit: find())  # no verdict of the fake kept
     config = {"model": {"tiny": "default", "max_model_len": 128}, "scheduler": {"max_num_seqs": 8}}
     prompts = [f"request {i} " + "word " * (3 + 2 * i) for i in range(8)]
     params = [SamplingParams(seed=i, temperature=1.0, max_tokens=12, ignore_eos=True) for i in range(8)]
@@ -207,8 +207,8 @@ def test_a_kept_verdict_is_read_only_where_the_same_kernels_run(monkeypatch, tmp
         torch.set_num_threads(threads)
     assert row_invariance._host_key(shape) == key
     found = []
-    window = row_invariance._stored(tmp_path, key, lambda: found.append(1) or RowWindow(8, 32))
-    assert window == row_invariance._stored(tmp_path, key, lambda: found.append(1) or None) == RowWindow(8, 32)
+    window = row_invariance._stored(tmp_path, key, lambda: found.append(1) or RowWindow(8, 32), 64)
+    assert window == row_invariance._stored(tmp_path, key, lambda: found.append(1) or None, 64) == RowWindow(8, 32)
     assert found == [1]  # probed once, read back the second time
 
 
@@ -254,7 +254,7 @@ def test_workers_that_start_together_probe_a_layer_once(tmp_path):
     for key, window in (("windowed", row_invariance.RowWindow(4, 64)), ("plain", None)):
         calls.clear()
         results = []
-        threads = [threading.Thread(target=lambda: results.append(row_invariance._stored(store, key, probe(window))))
+        threads = [threading.Thread(target=lambda: results.append(row_invariance._stored(store, key, probe(window), 64)))
                    for _ in range(3)]
         for thread in threads:
             thread.start()
@@ -263,13 +263,13 @@ def test_workers_that_start_together_probe_a_layer_once(tmp_path):
         assert calls == ["probe"] and results == [window] * 3, (key, calls, results)
     (store / "plain.json").write_text("{not json")
     calls.clear()
-    assert row_invariance._stored(store, "plain", probe(None)) is None and calls == ["probe"]
-    assert row_invariance._stored(None, "any", probe(None)) is None and calls == ["probe", "probe"]  # no store: no cache
+    assert row_invariance._stored(store, "plain", probe(None), 64) is None and calls == ["probe"]
+    assert row_invariance._stored(None, "any", probe(None), 64) is None and calls == ["probe", "probe"]  # no store: no cache
 
 
 def test_an_unwritable_store_only_means_probing_every_time(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     found = row_invariance.RowWindow(2, 32)
-    assert row_invariance._stored(blocker / "row-probes", "key", lambda: found) == found
-    assert row_invariance._stored(blocker / "row-probes", "key", lambda: None) is None  # probed again
+    assert row_invariance._stored(blocker / "row-probes", "key", lambda: found, 64) == found
+    assert row_invariance._stored(blocker / "row-probes", "key", lambda: None, 64) is None  # probed again
