@@ -28,7 +28,7 @@ import numpy as np
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
 from coordinator.intake.admission import Admission
 from coordinator.intake.prefix_order import requests_by_prefix
-from coordinator.intake.quarantine import Quarantine
+from coordinator.intake.quarantine import EngineFault, Quarantine
 from coordinator.kv_blocks import KVCacheManager
 from coordinator.metrics import EngineMetrics
 from coordinator.output.acceptance import Acceptance
@@ -138,7 +138,7 @@ class Coordinator:
         if error is not None:
             self.outputs.due(group)
         else:
-            self.metrics.prompt_tokens += len(prompt_ids)
+            self.metrics.prompt_tokens += len(prompt_ids) * n  # each sequence's prompt (n > 1 shares blocks)
         return request_id
 
     @contextmanager
@@ -285,15 +285,35 @@ class Coordinator:
         return probing
 
     def _suspected(self, rows: Sequence[Request], cause: str) -> list[str]:
-        """These rows were present at a failure no request explains; fail the requests the
-        quarantine convicts. Returns the failed row ids."""
+        """These rows were present at a failure no request explains. The requests the quarantine
+        convicts are held, not failed: the engine first checks that it still computes correctly
+        (``settle_convictions``), since a fault of the engine's own also fails every request alone.
+        Returns the failed row ids (none: they fail when settled)."""
         groups = {r.group.request_id: r.group for r in rows}
-        failed = []
         for group_id in self.quarantine.failed(list(groups)):
-            children = [c for c in groups[group_id].children if not c.finished]
+            self.quarantine.held[group_id] = cause
+        return []
+
+    def convictions_pending(self) -> bool:
+        """Whether convicted requests wait for ``settle_convictions``."""
+        return bool(self.quarantine.held)
+
+    def settle_convictions(self, engine_problem: str | None) -> None:
+        """The engine checked itself after convicting requests. Healthy (``engine_problem`` None): the
+        convicted fail, not retryable. Not healthy: the fault is the engine's; ``EngineFault`` is raised
+        and the convicted stay unfinished, for the host to fail as retryable with everyone else."""
+        if engine_problem is not None:
+            raise EngineFault(f"the engine is broken, not the requests it ran: {engine_problem}")
+        for group_id, cause in list(self.quarantine.held.items()):
+            group = self.requests.get(group_id)
+            self.quarantine.held.pop(group_id, None)
+            if group is None:
+                continue
+            children = [c for c in group.children if not c.finished]
+            for child in children:
+                if child.status == RequestStatus.WAITING:
+                    self.scheduler.remove_waiting(child.request_id)
             self._fail(children, self.quarantine.message(cause))
-            failed += [c.request_id for c in children]
-        return failed
 
     def _left(self, request: Request) -> None:
         """A request's group has no unfinished row left: it is nobody's suspect any more."""

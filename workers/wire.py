@@ -125,6 +125,9 @@ class StepResult:
     # Rows that could not be sampled (NaN, +inf, every token masked), by batch row: why. Their
     # request fails; their tokens are placeholders.
     errors: dict[int, str] = field(default_factory=dict)
+    # Of those, the rows the model's forward left NaN or +inf: the step asks the workers' self-check
+    # before it blames their requests (the engine may be broken, not the requests).
+    model_faults: list[int] = field(default_factory=list)
     # Audit: per-row mirror digests and per-processor digests.
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None

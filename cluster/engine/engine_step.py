@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from cluster.engine.audit import check_consistency
 from cluster.engine.executor import Executor, StepFailure, WorkersLost
 from coordinator.coordinator import Coordinator
+from coordinator.intake.quarantine import EngineFault
 from coordinator.request import RequestOutput
 from workers.wire import StepPlan, StepResult
 
@@ -27,7 +28,7 @@ Publish = Callable[[list[RequestOutput]], None]
 ALL_WORKERS_GONE = "all raysample workers are gone; pending requests cannot be served"
 
 
-class AllWorkersGone(RuntimeError):
+class AllWorkersGone(EngineFault):
     def __init__(self) -> None:
         super().__init__(ALL_WORKERS_GONE)
 
@@ -44,9 +45,15 @@ def step(coordinator: Coordinator, executor: Executor, publish: Publish,
          lock: AbstractContextManager | None = None, overlap_outputs: bool = False
          ) -> StepDone | StepFailure | None:
     """Run one step. None: nothing to run. A ``StepFailure``: the step failed and is handled
-    (only the requests it convicts fail, the others are re-admitted). Raises ``AllWorkersGone``
-    when no worker is left, ``ConsistencyError`` when audited replicas diverged."""
+    (only the requests it convicts fail, the others are re-admitted). Raises ``EngineFault`` when the
+    engine itself is broken (``AllWorkersGone`` when no worker is left), ``ConsistencyError`` when
+    audited replicas diverged."""
     lock = lock if lock is not None else nullcontext()
+    if coordinator.convictions_pending():  # a failure convicted requests: is the engine sound?
+        problem = executor.self_check()
+        with lock:
+            coordinator.settle_convictions(problem)
+            publish(coordinator.take_outputs())
     with lock:
         started, started_cpu = time.perf_counter(), time.thread_time()
         plan = coordinator.next_plan()
@@ -63,6 +70,12 @@ def step(coordinator: Coordinator, executor: Executor, publish: Publish,
     if not isinstance(outcome, list):
         recover(coordinator, executor, outcome, publish, lock)
         return outcome
+    if any(result.model_faults for result in outcome):
+        # The model's own logits were NaN or +inf: a request's doing, or the engine's? The engine's when
+        # it no longer computes its start-up probe; then no request of the step is failed for it.
+        problem = executor.self_check()
+        if problem is not None:
+            raise EngineFault(f"the engine is broken, not the requests it ran: {problem}")
     with lock:
         if plan.audit:
             check_consistency(plan.step, outcome)

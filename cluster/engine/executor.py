@@ -62,5 +62,11 @@ class Executor(ABC):
         """Clear every worker's batch state after a step that raised (the requests are re-admitted)."""
 
     @abstractmethod
+    def self_check(self) -> str | None:
+        """Whether every live worker still computes its start-up probe (``Worker.self_check``): None if so,
+        else one line naming the first worker that does not, and why. Asked before a failure that every
+        request shared is blamed on a request."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers."""

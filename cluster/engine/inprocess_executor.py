@@ -92,6 +92,25 @@ class InProcessExecutor(Executor):
         for worker in self.workers.values():
             worker.reset()
 
+    def self_check(self) -> str | None:
+        def check() -> str | None:
+            for i, worker in self.workers.items():
+                problem = worker.self_check()
+                if problem is not None:
+                    return f"worker {i}: {problem}"
+            return None
+
+        try:
+            return self._pool.submit(check).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._cancelled.set()
+            self._pool.stop()
+            self._new_thread()
+            abandon_compute_thread()
+            return f"a worker hung (no answer in {self.timeout_s:.0f}s) computing a fixed probe"
+        except Exception as exc:  # noqa: BLE001
+            return f"a worker failed to compute a fixed probe ({type(exc).__name__}: {exc})"
+
     def shutdown(self) -> None:
         self._pool.stop()
         for worker in self.workers.values():

@@ -19,7 +19,7 @@ import torch
 from cluster.config import RaysampleConfig, resolve
 from cluster.engine import engine_step
 from cluster.engine.engine_api import POLL_S, RequestAPI, take_ready
-from cluster.engine.engine_step import ALL_WORKERS_GONE, AllWorkersGone
+from cluster.engine.engine_step import EngineFault
 from cluster.engine.inprocess_executor import InProcessExecutor
 from cluster.engine.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
 from coordinator.factory import coordinator_from_config
@@ -71,6 +71,7 @@ class LocalEngine(RequestAPI):
         self.coordinator.kv_note = kv_note
         logger.info("%s", self.coordinator.kv_summary())
         self._outputs: dict[str, list[RequestOutput]] = {}  # made by steps, not yet polled
+        self.fatal: str | None = None  # the engine failed (``EngineFault``): it takes no more requests
 
     @property
     def tokenizer(self) -> Any:
@@ -79,6 +80,8 @@ class LocalEngine(RequestAPI):
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     final_only: bool = False) -> str:
         """``final_only``: no intermediate outputs for this request (``generate`` asks so)."""
+        if self.fatal is not None:
+            raise EngineFault(self.fatal)
         return self.coordinator.add_request(as_prompt(prompt), params, request_id, final_only=final_only)
 
     def abort(self, request_id: str) -> bool:
@@ -100,8 +103,9 @@ class LocalEngine(RequestAPI):
         outputs: list[RequestOutput] = []
         try:
             done = engine_step.step(self.coordinator, self.executor, outputs.extend)
-        except AllWorkersGone:
-            outputs.extend(self.coordinator.fail_all(ALL_WORKERS_GONE))
+        except EngineFault as exc:  # every pending request fails as retryable; no new one is taken
+            self.fatal = str(exc)
+            outputs.extend(self.coordinator.fail_all(self.fatal))
             self._buffer(outputs)
             raise
         if done is None:

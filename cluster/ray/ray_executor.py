@@ -206,6 +206,21 @@ class RayExecutor(Executor):
         ray.get([w.reset.remote() for w in self.workers.values()], timeout=self.timeout_s)
         self._compile()
 
+    def self_check(self) -> str | None:
+        self._teardown()  # a compiled graph's actors run its loop: plain calls wait behind it
+        try:
+            for i, worker in self.workers.items():
+                try:
+                    problem = ray.get(worker.self_check.remote(), timeout=self.timeout_s)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    problem = f"it failed to compute a fixed probe ({type(exc).__name__}: {first})"
+                if problem is not None:
+                    return f"worker {i}: {problem}"
+            return None
+        finally:
+            self._compile()
+
     # ----- the compiled graph -----
 
     def _compile(self) -> None:

@@ -22,7 +22,7 @@ from cluster.background import in_background
 from cluster.engine import engine_step
 from cluster.engine.audit import ConsistencyError
 from cluster.engine.engine_api import take_ready
-from cluster.engine.engine_step import AllWorkersGone, StepDone
+from cluster.engine.engine_step import AllWorkersGone, EngineFault, StepDone
 from cluster.engine.executor import WorkersLost
 from cluster.engine.step_profile import StepProfile
 from cluster.ray.ray_executor import RayExecutor
@@ -226,7 +226,7 @@ class StepLoop:
             try:
                 done = engine_step.step(self.coordinator, self.executor, self._publish, self.lock,
                                         self.overlap_outputs)
-            except (ConsistencyError, AllWorkersGone) as exc:
+            except (ConsistencyError, EngineFault) as exc:
                 with self.lock:
                     self.recoveries += isinstance(exc, AllWorkersGone)
                     diverged = isinstance(exc, ConsistencyError)

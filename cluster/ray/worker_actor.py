@@ -128,6 +128,9 @@ class WorkerActor:
     def reset(self) -> None:
         self.worker.reset()
 
+    def self_check(self) -> str | None:
+        return self.worker.self_check()
+
     def pid(self) -> int:
         return os.getpid()
 

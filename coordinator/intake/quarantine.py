@@ -19,6 +19,11 @@ from collections.abc import Iterable
 FAIL_AFTER = 2  # failures present at, the last one alone
 
 
+class EngineFault(RuntimeError):
+    """A failure every request shares (the model, a kernel, the cache): not any request's fault. The
+    engine stops; what it was running fails as retryable, so a resumed job runs it again."""
+
+
 class Quarantine:
     """Suspect requests (by the caller's request id), in groups run one at a time."""
 
@@ -26,12 +31,16 @@ class Quarantine:
         self.failures: dict[str, int] = {}  # request id -> failures it was present at
         self.groups: deque[list[str]] = deque()  # groups waiting to run, first runs next
         self.active: set[str] | None = None  # the group running now, with no one beside it
+        # Convicted, not yet failed: the engine checks itself first (``Coordinator.settle_convictions``).
+        self.held: dict[str, str] = {}  # request id -> the failure's cause
 
     def __bool__(self) -> bool:
         return self.active is not None or bool(self.groups)
 
     def admits(self, request_id: str) -> bool:
         """Whether a request may be scheduled: while suspects run, only the active group's."""
+        if request_id in self.held:
+            return False
         if not self:
             return True
         if self.active is None:
@@ -61,6 +70,7 @@ class Quarantine:
     def finished(self, request_id: str) -> None:
         """A request left the engine (done, failed, aborted): it is no longer a suspect."""
         self.failures.pop(request_id, None)
+        self.held.pop(request_id, None)
         if self.active is not None:
             self.active.discard(request_id)
             if not self.active:

@@ -196,6 +196,37 @@ class ModelRunner:
         if static_mode:
             self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
             self.static.capture()
+        # What the finished runner computes for a fixed probe: an engine-wide fault found later (a step
+        # that fails every request) is told from a request's own by computing it again (``self_check``).
+        self._fingerprint: torch.Tensor | None = None
+        if tensor_parallel_size == 1:
+            problem = self.self_check()
+            if problem is not None:
+                raise RuntimeError(f"the model cannot serve: {problem}")
+
+    def self_check(self) -> str | None:
+        """None when this runner still computes its start-up probe (a short prompt in two prefill chunks and
+        a decode step, on a cache of its own: the requests' blocks are untouched) with finite logits, equal
+        to what it computed at start-up to rounding; else one line saying what is wrong. The first call
+        records the probe. Not on a tensor-parallel shard (its forwards need the other ranks)."""
+        from workers.model.attention_probe import probe_logits
+
+        static, self.static = self.static, None  # the eager path: graphs are bound to the requests' cache
+        try:
+            logits = probe_logits(self)
+        except Exception as exc:  # noqa: BLE001 - any failure of the forward is the engine's here
+            return f"its forward fails on a fixed probe ({type(exc).__name__}: {str(exc)[:300]})"
+        finally:
+            self.static = static
+        if not bool(torch.isfinite(logits).all()):
+            return "its logits on a fixed probe are not finite (NaN or inf)"
+        if self._fingerprint is None:
+            self._fingerprint = logits
+            return None
+        drift = float((logits - self._fingerprint).abs().max())
+        if not drift <= 1e-3 * (1.0 + float(self._fingerprint.abs().max())):
+            return f"its logits on a fixed probe moved by {drift:.3g} since start-up"
+        return None
 
     def _graph_reserve(self, max_rows: int, sizes: list[int] | None) -> int:
         """GPU memory the decode graphs will hold: the peak of the largest fixed-shape forward, measured

@@ -37,6 +37,7 @@ class DraftVerification:
     # Rows that could not be sampled at some position (``SamplerOutput.errors``), by batch row; their
     # tokens are a placeholder [0].
     errors: dict[int, str] = field(default_factory=dict)
+    model_faults: list[int] = field(default_factory=list)  # of those, the model's (``SamplerOutput.model_faults``)
 
     def accepted_drafts(self, row: int) -> int:
         return len(self.tokens[row]) - 1
@@ -60,6 +61,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
     lps: list[list[TokenLogprobs] | None] = [[] if i in logprob_local else None for i in range(n)]
     done = np.zeros(n, dtype=bool)
     errors: dict[int, str] = {}
+    model_faults: list[int] = []
     appended = [0] * sampler.batch_size
     snapshots = sampler.draft_snapshot() if any(drafts) else []
     try:
@@ -91,7 +93,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
                 row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
             is_active = torch.zeros(n, dtype=torch.bool, device=row_max.device)
             is_active[torch.from_numpy(active).to(row_max.device)] = True
-            bad_here = sampler.row_errors(row_max, rows, tracker, only=is_active)
+            bad_here = sampler.row_errors(row_max, rows, tracker, only=is_active, model_faults=model_faults)
             if bad_here:
                 for row, message in bad_here.items():
                     errors.setdefault(row, message)
@@ -122,4 +124,4 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
             sampler.draft_restore(snapshots)
     for row in errors:  # placeholders: the request fails, these tokens are never used
         emitted[row - rows.start], lps[row - rows.start] = [0], None
-    return DraftVerification(tokens=emitted, logprobs=lps, errors=errors)
+    return DraftVerification(tokens=emitted, logprobs=lps, errors=errors, model_faults=model_faults)

@@ -70,6 +70,9 @@ class SamplerOutput:
     # Rows that cannot be sampled (NaN, +inf, or every token masked), by persistent-batch row: why.
     # Their token is 0 and must not be used; every other row sampled as if they were not there.
     errors: dict[int, str] = field(default_factory=dict)
+    # Of those, the rows whose logits were NaN or +inf out of the model's forward: no request's setting
+    # makes them so, the engine may be at fault (``Worker.self_check`` tells).
+    model_faults: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -395,9 +398,10 @@ class Sampler:
         return BadRowTracker() if self._user_stages or self.slot_processors else None
 
     def row_errors(self, row_max: torch.Tensor, rows: slice, tracker: BadRowTracker | None,
-                   only: torch.Tensor | None = None) -> dict[int, str]:
+                   only: torch.Tensor | None = None, model_faults: list[int] | None = None) -> dict[int, str]:
         """Batch row -> why, for the rows of the call whose maximum is not finite or that the tracker
-        found bad (one check when none is). ``only``: a mask of the rows to consider."""
+        found bad (one check when none is). ``only``: a mask of the rows to consider. ``model_faults``:
+        receives the rows that the model's forward left NaN or +inf (no processor or constraint did)."""
         bad = ~torch.isfinite(row_max)
         if tracker is not None and tracker.first is not None:
             found = tracker.first >= 0
@@ -409,8 +413,11 @@ class Sampler:
             return {}
         local = bad.nonzero().flatten().tolist()
         maxima = row_max[bad].tolist()
-        return {rows.start + i: describe_bad_row(value, tracker.stage_of(i) if tracker is not None else None)
-                for i, value in zip(local, maxima)}
+        stages = [tracker.stage_of(i) if tracker is not None else None for i in local]
+        if model_faults is not None:
+            model_faults += [rows.start + i for i, value, stage in zip(local, maxima, stages)
+                             if stage == MODEL_STAGE or (stage is None and not value < 0)]  # NaN or +inf
+        return {rows.start + i: describe_bad_row(value, stage) for i, value, stage in zip(local, maxima, stages)}
 
     def _run_slot_processors(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None
                              ) -> torch.Tensor:
@@ -448,7 +455,9 @@ class Sampler:
             sampled[index] = self.sample_random(logits, random_local, rows, row_max=random_max)
             before = row_max[index]  # a row bad at the greedy point stays bad (it was zeroed since)
             row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
-        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64), errors=self.row_errors(row_max, rows, tracker))
+        faults: list[int] = []
+        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64),
+                            errors=self.row_errors(row_max, rows, tracker, model_faults=faults), model_faults=faults)
         if out.errors:
             out.sampled_token_ids[torch.tensor([r - rows.start for r in out.errors], device=sampled.device)] = 0
         if raw is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.host_cache import set_lock_timeout
 from workers.model.model_runner import ModelRunner
 from workers.model.static_decode import decode_mode
 from workers.model.tensor_parallel import Followers, LeadRunner
@@ -59,6 +60,14 @@ class Worker:
 
     def shutdown(self) -> None:
         self.forwards.shutdown()
+
+    def self_check(self) -> str | None:
+        """Whether this worker's model still computes what it did at start-up (``ModelRunner.self_check``),
+        asked when a failure hit every request it was given: None if it does (the requests are at fault),
+        else why not (the engine is). A simulated runner, or a tensor-parallel group, answers None."""
+        self.forwards.discard()
+        check = None if isinstance(self.runner, LeadRunner) else getattr(self.runner, "self_check", None)
+        return None if check is None else compute_thread().run(check)
 
     @classmethod
     def from_config(cls, worker_id: int, config: Any, device: torch.device | str,
@@ -188,13 +197,13 @@ class Worker:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
                 result.logprobs = {r: [lp] for r, lp in out.logprobs.items()}
-                result.errors = out.errors
+                result.errors, result.model_faults = out.errors, out.model_faults
             else:
                 verified = verify_drafts(self.sampler, logits, slice(lo, hi), drafts)
                 result.counts = np.array([len(t) for t in verified.tokens], dtype=np.int32)
                 result.tokens = np.array([t for row in verified.tokens for t in row], dtype=np.int32)
                 result.logprobs = {lo + i: lp for i, lp in enumerate(verified.logprobs) if lp is not None}
-                result.errors = verified.errors
+                result.errors, result.model_faults = verified.errors, verified.model_faults
             passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
             result.sample_pass_s = (time.perf_counter() - sample_start) / passes
             wait_ready = getattr(self.runner, "wait_ready", None)
@@ -234,6 +243,7 @@ def pipelined(config: Any, device: torch.device | str) -> bool:
 
 def build_runner(config: Any, device: torch.device | str) -> Any:
     """The model runner of a worker, or of one rank of its tensor-parallel group (every rank the same)."""
+    set_lock_timeout(config.cache.lock_timeout_s)  # kernel builds and probes this process waits for
     spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if pipelined(config, device) else 0
     if config.model.simulate is not None:
         return simulated_runner(config, device, spare)
