@@ -154,3 +154,26 @@ def test_the_probe_runs_once_per_model_code_and_layout(tmp_path, monkeypatch):
     load(block_size=4, decode_attention="torch")  # another attention path
     load(block_size=4, trust_remote_code=True)  # remote code may change: never cached
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize(("model_type", "merged"), [("qwen2", 2), ("qwen3", 2), ("gemma2", 0)])
+def test_the_static_path_merges_layers_by_their_structure_and_keeps_the_greedy_tokens(model_type, merged, caplog):
+    """The fixed-shape forward (``enforce_eager: false``, the compiled proof of a GPU's graphs) on merged
+    layers: Qwen2 (q/k/v bias, a sliding-window layer) and Qwen3 (per-head q/k norms) are merged, decided by
+    their parts and checked against the layers as written; Gemma2 (four norms) keeps its own layers, with
+    one line saying why. All give transformers' eager greedy tokens."""
+    path = build_arch_model(model_type)
+    engine = LocalEngine({
+        "model": {"path": str(path), "max_model_len": 128, "dtype": "float32", "enforce_eager": False},
+        "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 20}, "cache": {"block_size": 4}})
+    try:
+        layers = engine.workers[0].runner.model.model.layers
+        assert sum(hasattr(layer.self_attn, "qkv_proj") for layer in layers) == merged
+        if not merged:
+            assert "keep their own forward" in caplog.text and "post_feedforward_layernorm" in caplog.text
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for prompt, out in zip(prompts(), engine.generate(prompts(), params)):
+            assert out.token_ids == eager_greedy(path, prompt), (model_type, len(prompt))
+        assert engine.workers[0].runner.static.compiled_graphs > 0
+    finally:
+        engine.shutdown()
