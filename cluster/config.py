@@ -73,11 +73,13 @@ class ModelSection(_Section):
     max_logprobs: int = Field(default=20, ge=-1)  # as vLLM: the most logprobs a request may ask; -1 = vocabulary
     # CPU float32: reorder linear weights once for oneDNN (2-3x faster matmuls here).
     cpu_weight_prepack: bool = True
-    # Decode and draft-verification attention on CPU: "native" is a C++ kernel (workers/cpu/native,
-    # built by make setup or on first use) that reads only each row's valid keys; "torch" is
-    # batched torch products over whole KV blocks (any device). "auto": native on CPU with
-    # float32 or bfloat16 where it builds (a warning names the reason where not), else torch.
-    decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # Paged attention. "native": a C++ CPU kernel (workers/cpu/native, built by make setup or on first
+    # use) for decode and draft-verification rows, reading only each row's valid keys; "flex": torch's
+    # FlexAttention over the pool's blocks for every step shape (decode, prompt chunks, drafts), no copy
+    # of K/V (compiled on CUDA; torch's slow dense reference elsewhere); "torch": batched torch products
+    # over whole KV blocks and SDPA over gathered prompt chunks (any device). "auto": native on CPU with
+    # float32 or bfloat16 where it builds (a warning names the reason where not), flex on CUDA, else torch.
+    decode_attention: Literal["auto", "native", "flex", "torch"] = "auto"
     # vLLM's names. Decode steps run as forwards of fixed shape (rows padded to a capture size),
     # captured once per size as CUDA graphs on a GPU. Unset: graphs on CUDA, the variable-shape
     # forward on CPU; true: eager everywhere; false on CPU: the fixed-shape forward under

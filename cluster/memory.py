@@ -23,7 +23,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.model.memory_plan import GpuMemoryPlan
 
 GiB = 1 << 30
 DEFAULT_SHARE = 0.5  # of the node's memory left after the weights, for all of its KV caches
@@ -216,15 +219,45 @@ def check_weights_fit_device(model: ModelMemory, size: int, device_bytes: int, u
 
 
 def check_device_memory(config: Any, device: Any) -> None:
-    """``check_weights_fit_device`` on this actor's GPU (nothing to check on CPU: the plan did)."""
+    """Before this actor's GPU loads any weight: ``check_weights_fit_device``, then the whole plan as
+    estimated from the config (``gpu_memory_plan``), so a start that cannot fit says so with the numbers
+    instead of failing minutes later (nothing to check on CPU: the plan did)."""
     if getattr(device, "type", "cpu") != "cuda" or config.model.simulate is not None:
         return
     import torch
 
-    dtype = "bfloat16" if config.model.dtype == "auto" else config.model.dtype  # auto is bfloat16 on CUDA
-    model = ModelMemory.of(config.facts, dtype)
+    model = ModelMemory.of(config.facts, gpu_dtype(config))
     _, total = torch.cuda.mem_get_info(device)
     check_weights_fit_device(model, config.model.tensor_parallel_size, total, config.cache.gpu_memory_utilization)
+    if config.cache.kv_cache_memory is None:
+        gpu_memory_plan(config, total, model).check()
+
+
+def gpu_dtype(config: Any) -> str:
+    return "bfloat16" if config.model.dtype == "auto" else config.model.dtype  # auto is bfloat16 on CUDA
+
+
+def gpu_memory_plan(config: Any, device_bytes: int, model: ModelMemory | None = None) -> GpuMemoryPlan:
+    """One worker's GPU memory as planned before loading (``workers.model.memory_plan``): its share of the
+    weights (from the files or the meta device), the largest step's activations estimated from the config,
+    and the KV cache of what is left. ``config`` is resolved (``config.facts``)."""
+    from workers.model.memory_plan import GpuMemoryPlan, estimated_activations, kv_block_bytes
+
+    dtype = gpu_dtype(config)
+    size = config.model.tensor_parallel_size
+    model = (model or ModelMemory.of(config.facts, dtype)).per_rank(size)
+    dtype_bytes = _RUNTIME_BYTES_PER_ELEMENT[dtype] if dtype != "auto" else 2
+    block_size = config.cache.block_size or 16
+    facts = config.facts
+    scheduler = config.scheduler
+    rows = scheduler.slots_per_worker()
+    drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    tokens = max(scheduler.max_num_batched_tokens, rows * (1 + drafts))
+    activations = estimated_activations(facts.hf_config, tokens, rows * (1 + drafts), dtype_bytes,
+                                        -(-facts.max_model_len // block_size))
+    return GpuMemoryPlan(device_bytes, config.cache.gpu_memory_utilization, model.weights + RUNTIME_BYTES,
+                         activations, kv_block_bytes(facts.hf_config, block_size, dtype_bytes, size), block_size,
+                         facts.max_model_len)
 
 
 def _gib(value: float) -> str:

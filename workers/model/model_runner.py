@@ -23,6 +23,7 @@ from workers.cpu.cpu_linear import prepack_available
 from workers.cpu.row_invariance import make_rows_independent
 from workers.model.attention_probe import verify_once
 from workers.model.decode_layout import block_major_layout
+from workers.model.memory_plan import GpuMemoryPlan
 from workers.model.merged_layers import merge_layers
 from workers.model.model_support import check_model_config, kv_geometry, resolved_max_model_len
 from workers.model.paged_attention import (
@@ -39,6 +40,7 @@ from workers.model.paged_attention import (
 )
 from workers.model.static_decode import StaticDecoder, decode_mode
 from workers.model.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
+from workers.model.tiny import random_weights_seed
 from workers.row_work import RowWork
 
 logger = logging.getLogger(__name__)
@@ -76,12 +78,17 @@ def default_block_size(device: torch.device, native_decode: bool) -> int:
     return 64 if device.type == "cpu" and not native_decode else 16
 
 
+def use_flex_attention(choice: str, device: torch.device) -> bool:
+    """Whether every step's attention runs in FlexAttention (``workers.model.flex_paged``): ``auto`` on CUDA."""
+    return choice == "flex" or (choice == "auto" and device.type == "cuda")
+
+
 def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention runs in the C++ CPU kernel: ``auto`` where it applies and builds."""
-    if choice == "torch":
+    if choice in ("torch", "flex"):
         return False
     if choice not in ("auto", "native"):
-        raise ValueError(f"decode_attention must be auto, native or torch, got {choice!r}")
+        raise ValueError(f"decode_attention must be auto, native, flex or torch, got {choice!r}")
     if not native_attention.supports(device, dtype):
         if choice == "native":
             raise ValueError(f"decode_attention=native runs on CPU with float32 or bfloat16, not {device.type} "
@@ -129,10 +136,20 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         if model_config is None:  # built on its own (tests, benches); an engine hands down the config it read
             model_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), config=copy.deepcopy(model_config), dtype=self.dtype, trust_remote_code=trust_remote_code,
-            **sharded_loading(model_config, tensor_parallel_size),
-        )
+        seed = random_weights_seed(model_path)
+        if seed is not None:  # a bench shape (workers.model.tiny): its weights are built here, from the seed
+            if tensor_parallel_size > 1:
+                raise ValueError(f"{model_path} holds no weights (random weights built on each device): "
+                                 "it cannot be sharded across tensor-parallel ranks")
+            torch.manual_seed(seed)  # every CPU and CUDA generator: each worker builds the same weights
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=self.dtype,
+                                                         trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), config=copy.deepcopy(model_config), dtype=self.dtype,
+                trust_remote_code=trust_remote_code, **sharded_loading(model_config, tensor_parallel_size),
+            )
         config = model.config
         self.max_model_len = resolved_max_model_len(config, max_model_len)
         check_model_config(config, self.max_model_len)
@@ -144,6 +161,7 @@ class ModelRunner:
             ) from None
         self.model = model.to(self.device).eval()
         self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
+        self.flex = use_flex_attention(decode_attention, self.device)
         self.vocab_size = config.vocab_size
         self.block_size = block_size or default_block_size(self.device, self.native_decode)
         self.num_layers, kv_heads, self.head_dim = kv_geometry(config)
@@ -152,15 +170,19 @@ class ModelRunner:
         per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
         static_mode = decode_mode(enforce_eager, self.device, tensor_parallel_size)
-        graph_bytes = self._graph_reserve(max_rows, cudagraph_capture_sizes) if static_mode == "graphs" else 0
+        activations = 0
+        if self.device.type == "cuda" and kv_cache_memory is None:
+            activations = self._activation_reserve(max_rows, cudagraph_capture_sizes, static_mode == "graphs",
+                                                   max_step_tokens)
         self.num_blocks = smallest_over_ranks(
             self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks,
-                             graph_bytes))
+                             activations))
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"KV cache budget holds {self.num_blocks} blocks of {block_size} tokens "
-                f"({per_block} bytes each); one sequence of max_model_len={self.max_model_len} needs {min_blocks}. "
-                "Raise cache.kv_cache_memory / cache.gpu_memory_utilization or lower model.max_model_len."
+                f"({per_block} bytes each); one sequence of max_model_len={self.max_model_len} needs {min_blocks}: "
+                f"max_model_len={self.num_blocks * block_size} would fit. Raise cache.kv_cache_memory / "
+                "cache.gpu_memory_utilization or lower model.max_model_len."
             )
         self.last_step: PackedStep | None = None
         self.cache: PagedKVCache | None = None
@@ -175,7 +197,7 @@ class ModelRunner:
         self.kv_bytes = (self.num_blocks + spare_blocks) * per_block
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
                     block_size, self.num_blocks * per_block / 2**20, self.device,
-                    "native CPU kernel" if self.native_decode else "torch")
+                    "native CPU kernel" if self.native_decode else "FlexAttention" if self.flex else "torch")
         # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
         # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
         # transformers' collectives hang on the linear modules that fusion would replace.
@@ -196,6 +218,10 @@ class ModelRunner:
         if static_mode:
             self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
             self.static.capture()
+            problem = self.static.disagreement() if static_mode == "graphs" and self.static.graphs else None
+            if problem is not None:  # never served wrongly: the variable-shape forward serves every step
+                logger.warning("CUDA graphs not used: %s; every step runs eager", problem)
+                self.static = None
         # What the finished runner computes for a fixed probe: an engine-wide fault found later (a step
         # that fails every request) is told from a request's own by computing it again (``self_check``).
         self._fingerprint: torch.Tensor | None = None
@@ -228,24 +254,42 @@ class ModelRunner:
             return f"its logits on a fixed probe moved by {drift:.3g} since start-up"
         return None
 
-    def _graph_reserve(self, max_rows: int, sizes: list[int] | None) -> int:
-        """GPU memory the decode graphs will hold: the peak of the largest fixed-shape forward, measured
-        on a two-block cache, plus its persistent buffers, with a quarter more for the pool's slack."""
-        self.cache = PagedKVCache(self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim, self.dtype,
+    def _activation_reserve(self, max_rows: int, sizes: list[int] | None, graphs: bool, max_step_tokens: int) -> int:
+        """GPU memory a step may take beyond weights and KV, measured as vLLM profiles it: the peak of the
+        largest variable-shape step (the token budget as one prompt chunk) and, with graphs, of the largest
+        fixed-shape forward and its persistent buffers; a quarter more for the allocator's slack. Measured
+        on a cache just large enough for the chunk: attention reads keys where they lie, so the peak grows
+        with the step's tokens, not with rows x max_model_len."""
+        chunk = max(1, min(max_step_tokens, self.max_model_len))
+        blocks = -(-chunk // self.block_size) + 1
+        self.cache = PagedKVCache(self.num_layers, blocks, self.block_size, self.kv_heads, self.head_dim, self.dtype,
                                   self.device)
+        saved = self.num_blocks if hasattr(self, "num_blocks") else None
+        self.num_blocks = blocks
         try:
             torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            decoder = StaticDecoder(self, "eager", max_rows, sizes)
-            buffers = torch.cuda.memory_allocated(self.device) - before
             torch.cuda.reset_peak_memory_stats(self.device)
             start = torch.cuda.memory_allocated(self.device)
-            decoder.inputs.fill([], decoder.sizes[-1], decoder.pad_block, self.block_size)
             with torch.inference_mode():
-                decoder._into_buffer(decoder.sizes[-1], decoder.widths[-1])
+                self.forward([RowWork(list(range(blocks - 1)), [0] * chunk, 0, 1)])
             peak = torch.cuda.max_memory_allocated(self.device) - start
+            buffers = 0
+            if graphs:
+                before = torch.cuda.memory_allocated(self.device)
+                decoder = StaticDecoder(self, "eager", max_rows, sizes)
+                buffers = torch.cuda.memory_allocated(self.device) - before
+                torch.cuda.reset_peak_memory_stats(self.device)
+                start = torch.cuda.memory_allocated(self.device)
+                decoder.inputs.fill([], decoder.sizes[-1], decoder.pad_block, self.block_size)
+                with torch.inference_mode():
+                    decoder._into_buffer(decoder.sizes[-1], decoder.widths[-1])
+                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - start)
+                del decoder
         finally:
             self.cache = None
+            if saved is not None:
+                self.num_blocks = saved
+            torch.cuda.empty_cache()
         return buffers + int(peak * 1.25)
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
@@ -261,8 +305,10 @@ class ModelRunner:
             return kv_cache_memory // per_block
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * utilization) - (total - free) - graph_bytes
-            return max(budget, 0) // per_block
+            plan = GpuMemoryPlan(total, utilization, total - free, graph_bytes, per_block, self.block_size,
+                                 self.max_model_len)
+            logger.info("GPU memory: %s", plan.describe())
+            return plan.check().num_blocks
         return every_row_full  # CPU without a budget: as much as every row at max_model_len
 
     # ----- packing -----
@@ -301,8 +347,11 @@ class ModelRunner:
         block_major: list[BlockMajorDecode] = []
         if short and self.native_decode:
             native = self._native(rows, short, len(ids))
-        elif short:
+        elif short and not self.flex:
             block_major = [self._block_major(rows, short, positions)]
+        elif short:  # FlexAttention reads every row's blocks where they lie: decode rows are a group too
+            long_rows = short + long_rows
+            short = []
         groups: list[AttentionGroup] = []
         groups += [self._group(rows, members, pos_t) for members in self._batches(rows, long_rows)]
         step = PackedStep(
@@ -312,6 +361,7 @@ class ModelRunner:
             block_major=block_major,
             native=native,
             native_writes=self.native_decode,  # _write_slots checked the slots for the kernel
+            flex=self.flex,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         return input_ids, pos_t.unsqueeze(0).to(device), torch.tensor(keep, dtype=torch.long, device=device), step

@@ -31,6 +31,7 @@ from workers.cpu.host_memory import lazy_zeros
 from workers.cpu.native_attention import paged_decode as native_paged_decode
 from workers.cpu.native_attention import paged_decode_op as native_paged_decode_op
 from workers.cpu.native_attention import write_kv as native_write_kv
+from workers.model.flex_paged import FlexLayout, flex_layout, flex_paged_attention
 
 ATTENTION_NAME = "raysample_paged"
 SHORT_QUERY_LIMIT = 16  # multi-token rows up to this many queries are batched together
@@ -91,6 +92,14 @@ class AttentionGroup:
     rows: int
     key_len: int
     _masks: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _flex: FlexLayout | None = None
+
+    def flex_layout(self, cache: PagedKVCache, kv_heads: int, heads: int) -> FlexLayout:
+        """The group's FlexAttention layout (``workers.model.flex_paged``), built once per step."""
+        if self._flex is None:
+            tables = self.block_index.view(self.rows, -1)
+            self._flex = flex_layout(tables, self.query_pos, cache.num_blocks, kv_heads, heads, cache.block_size)
+        return self._flex
 
     def masks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(bool allowed, additive float) masks ``(rows, q_len, key_len)`` for this window; built once per step."""
@@ -176,6 +185,7 @@ class StaticDecode:
     block_tables: torch.Tensor  # (rows, width) pool blocks
     positions: torch.Tensor  # (rows,) the query's absolute position
     native: bool = False  # attend with the C++ CPU kernel (one opaque operator), as the variable-shape forward does
+    flex: FlexLayout | None = None  # attend with FlexAttention over the pool, as the variable-shape forward does
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
@@ -204,6 +214,7 @@ class PackedStep:
     block_major: list[BlockMajorDecode] = field(default_factory=list)
     native: NativeDecode | None = None
     native_writes: bool = False  # write K/V with the CPU kernel: write_slots checked in range by the runner
+    flex: bool = False  # attend every group with FlexAttention over the pool (``workers.model.flex_paged``)
     static: StaticDecode | None = None  # a fixed-shape forward: every token is a query row of its own
     seen_kwargs: set[str] = field(default_factory=set)
     layers_called: set[int] = field(default_factory=set)
@@ -379,6 +390,10 @@ def paged_attention(
                                   else rows.to(flat_pool.dtype))
         scale = scaling if scaling is not None else head_dim**-0.5
         static = packed_step.static
+        if static.flex is not None:  # (1, heads, rows, d) as rows of one query each
+            out = flex_paged_attention(query[0].transpose(0, 1).unsqueeze(2), k_pool, v_pool, static.flex, scale,
+                                       softcap, _window(sliding_window), s_aux)
+            return out.squeeze(2).unsqueeze(0), None
         if static.native:
             rows = query.shape[2]
             out = native_paged_decode_op(query[0].transpose(0, 1).contiguous(), k_pool, v_pool, static.block_tables,
@@ -431,6 +446,13 @@ def paged_attention(
             picked = pool.index_select(0, group.block_index).view(rows, blocks, kv_heads, cache.block_size, head_dim)
             return picked.permute(2, 0, 1, 3, 4).reshape(kv_heads, rows, group.key_len, head_dim)
 
+        if packed_step.flex:  # every row's keys read where they lie
+            q = q_all[group.token_index].transpose(1, 2)  # (rows, heads, q, d)
+            attn = flex_paged_attention(q, k_pool, v_pool, group.flex_layout(cache, kv_heads, heads), scale, softcap,
+                                        window, s_aux)
+            flat = attn.transpose(1, 2).reshape(-1, heads, head_dim)
+            out[group.tokens] = flat[group.valid_flat].to(out.dtype)
+            continue
         k, v = gather(k_pool), gather(v_pool)
         q = q_all[group.token_index]  # (rows, q, heads, d)
         allowed, additive = group.masks(window)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.model.flex_paged import flex_layout
 from workers.model.paged_attention import PackedStep, StaticDecode
 from workers.row_work import RowWork
 
@@ -173,6 +174,9 @@ class StaticDecoder:
         self.pad_block = runner.cache.num_blocks - 1
         self.inputs = DecodeInputs(self.sizes[-1], self.max_blocks, runner.kv_heads, runner.device)
         self.logits = torch.empty(self.sizes[-1], runner.vocab_size, dtype=runner.dtype, device=runner.device)
+        # FlexAttention's map of pool blocks to table columns, refreshed inside every forward (and replay).
+        self.logical = torch.zeros(runner.cache.num_blocks + 1, dtype=torch.long, device=runner.device) \
+            if getattr(runner, "flex", False) else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.compiled_graphs = 0  # graphs dynamo traced (compiled mode): one per shape met
         self._compiled = None
@@ -212,9 +216,15 @@ class StaticDecoder:
     def _forward_shape(self, size: int, width: int) -> torch.Tensor:
         """The model on the buffer's views for one shape; ``(size, vocab)`` logits in the model's dtype."""
         ids, positions, slots, tables = self.inputs.views(size, width)
-        step = PackedStep(cache=self.runner.cache, write_slots=slots, groups=[],
+        runner = self.runner
+        flex = None
+        if self.logical is not None:
+            flex = flex_layout(tables, positions.view(size, 1), runner.cache.num_blocks, runner.kv_heads,
+                               runner.model.config.num_attention_heads,
+                               runner.block_size, self.logical)
+        step = PackedStep(cache=runner.cache, write_slots=slots, groups=[],
                           static=StaticDecode(block_tables=tables, positions=positions,
-                                              native=self.runner.native_decode))
+                                              native=runner.native_decode, flex=flex))
         out = self.runner.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                                 logits_to_keep=0, packed_step=step)
         return out.logits[0]
@@ -252,6 +262,37 @@ class StaticDecoder:
         if keep[-1] == len(keep) - 1:  # one logit per token: the leading rows
             return self.logits[: len(keep)].to(torch.float32, copy=True)
         return self.logits[torch.tensor(keep, device=self.logits.device)].to(torch.float32)
+
+    @torch.inference_mode()
+    def disagreement(self) -> str | None:
+        """None when a decode step through this decoder gives the variable-shape forward's logits (to the
+        dtype's rounding), else how far apart they are. Checked once after capture, on blocks no request
+        holds yet: a probe prompt prefilled by the variable-shape forward, then its next token both ways."""
+        runner = self.runner
+        generator = torch.Generator().manual_seed(4321)
+        length = 3 * runner.block_size + 5
+        tokens = torch.randint(0, runner.vocab_size, (length,), generator=generator).tolist()
+        blocks = -(-length // runner.block_size)
+        if blocks >= self.pad_block or length > runner.max_model_len:
+            return None  # a cache too small to check beside the padding block
+        table = list(range(blocks))
+        work = [RowWork(table, tokens[-1:], length - 1, 1, decode=True)]
+        shape = self.shape(work)
+        if shape is None:
+            return None
+        static, runner.static = runner.static, None
+        try:
+            runner.forward([RowWork(table, tokens[:-1], 0, 1)])
+            want = runner.forward(work)
+        finally:
+            runner.static = static
+        got = self.forward(work, shape)
+        scale = 1.0 + float(want.abs().max())
+        distance = float((got - want).abs().max())
+        tolerance = (1e-4 if runner.dtype == torch.float32 else 2e-2) * scale
+        if distance <= tolerance:
+            return None
+        return f"a decode step's logits differ from the variable-shape forward's by {distance:.3g} (tolerance {tolerance:.3g})"
 
     # ----- CUDA graphs -----
 

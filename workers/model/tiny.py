@@ -36,9 +36,16 @@ Question: what is the answer? Answer: yes, no, maybe. Think first, then answer.
 """
 
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
 @dataclass(frozen=True)
 class TinySpec:
-    """Shape of a tiny model. ``vocab_size`` is the tokenizer's target size."""
+    """Shape of a random-weight model. ``vocab_size`` is the tokenizer's target size.
+
+    ``weights``: ``"saved"`` writes random weights into the directory (small models); ``"random"`` writes
+    only the config, tokenizer and ``random_weights.json``, and each worker builds the weights from the seed
+    on its own device at load (``ModelRunner``): an 8B model's 16 GB never touch a disk or a wire."""
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -49,10 +56,33 @@ class TinySpec:
     max_position_embeddings: int = 512
     initializer_range: float = 0.3  # large: random logits with clear winners, few near-ties
     seed: int = 0
+    architecture: str = "llama"  # llama | qwen2 (q/k/v bias) | qwen3 (per-head q/k norms) | mistral
+    head_dim: int | None = None  # default: hidden_size / num_attention_heads
+    rope_theta: float | None = None  # default: the architecture's
+    tie_word_embeddings: bool = False
+    weights: str = "saved"  # saved | random
 
     def fingerprint(self) -> str:
-        blob = json.dumps({**asdict(self), "format": 3}, sort_keys=True).encode()
+        fields = asdict(self)
+        for name, default in _LATER_FIELDS.items():  # fields added later: absent at their default, so the
+            if fields[name] == default:  # presets made before them keep their cache entries
+                del fields[name]
+        blob = json.dumps({**fields, "format": 3}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_LATER_FIELDS = {"architecture": "llama", "head_dim": None, "rope_theta": None, "tie_word_embeddings": False,
+                 "weights": "saved"}
+RANDOM_WEIGHTS = "random_weights.json"  # in a directory whose weights each worker builds from the seed
+
+
+def _shape(architecture: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+           max_positions: int, rope_theta: float, **extra: object) -> TinySpec:
+    """A model of a real model's shape with random weights, built on the device (``weights="random"``)."""
+    return TinySpec(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                    initializer_range=0.02, architecture=architecture, head_dim=hidden // heads,
+                    rope_theta=rope_theta, weights="random", **extra)
 
 
 PRESETS: dict[str, TinySpec] = {
@@ -86,6 +116,13 @@ PRESETS: dict[str, TinySpec] = {
         max_position_embeddings=2048,
         initializer_range=0.02,
     ),
+    # The shapes users run (bf16 on a GPU; issue 78): random weights each worker builds on its device.
+    # Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B, Mistral-7B-v0.3, and Llama-3.2-1B, which a CPU can run.
+    "llama3-8b-shape": _shape("llama", 128256, 4096, 14336, 32, 32, 8, 131072, 500000.0),
+    "qwen2.5-7b-shape": _shape("qwen2", 152064, 3584, 18944, 28, 28, 4, 32768, 1000000.0),
+    "qwen3-8b-shape": _shape("qwen3", 151936, 4096, 12288, 36, 32, 8, 40960, 1000000.0),
+    "mistral-7b-shape": _shape("mistral", 32768, 4096, 14336, 32, 32, 8, 32768, 1000000.0),
+    "llama3.2-1b-shape": _shape("llama", 128256, 2048, 8192, 16, 32, 8, 131072, 500000.0, tie_word_embeddings=True),
 }
 
 
@@ -116,9 +153,40 @@ def _build_tokenizer(spec: TinySpec):
     return tokenizer
 
 
+def model_config(spec: TinySpec, bos: int, eos: int, pad: int) -> object:
+    """The transformers config of ``spec``'s architecture and shape."""
+    from transformers import AutoConfig
+
+    if spec.architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {spec.architecture!r}; known: {ARCHITECTURES}")
+    extra: dict[str, object] = {}
+    if spec.head_dim is not None:
+        extra["head_dim"] = spec.head_dim
+    if spec.rope_theta is not None:
+        extra["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.architecture == "mistral":
+        extra["sliding_window"] = None  # Mistral-7B-v0.3 attends to its whole context
+    return AutoConfig.for_model(
+        spec.architecture,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **extra,
+    )
+
+
 def build_tiny_model(spec: TinySpec, out_dir: Path) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -128,29 +196,30 @@ def build_tiny_model(spec: TinySpec, out_dir: Path) -> None:
         tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
+    config = model_config(spec, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    generation = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    if spec.weights == "random":
+        config.save_pretrained(out_dir)
+        generation.save_pretrained(out_dir)
+        (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": spec.seed}) + "\n")
+        return
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    model.generation_config = generation
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def random_weights_seed(model_path: str | Path) -> int | None:
+    """The seed a worker builds this model's weights from on its device, or None for a model with weights."""
+    marker = Path(model_path) / RANDOM_WEIGHTS
+    if not marker.is_file():
+        return None
+    return int(json.loads(marker.read_text())["seed"])
 
 
 def ensure_tiny_model(preset: str | TinySpec = "default") -> Path:

@@ -56,15 +56,17 @@ def test_greedy_matches_eager_generate(model_type):
         assert out.token_ids == eager_greedy(path, prompt), (model_type, len(prompt))
 
 
-@pytest.mark.parametrize("decode_attention", ["native", "torch"])
+@pytest.mark.parametrize("decode_attention", ["native", "torch", "flex"])
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "mistral", "qwen2"])
 def test_shared_prefix_blocks_match_eager_generate(model_type, decode_attention):
     """Prompts sharing 24 tokens: decode reads the shared blocks once for every row (prefix cache hits).
 
-    Both decode attention paths: the native CPU kernel (the default here) and torch's block-major one."""
+    Every attention path: the native CPU kernel (the default here), torch's block-major one, and FlexAttention
+    over the pool (the GPU's, here in torch's dense reference)."""
     path = build_arch_model(model_type)
     engine = engine_for(path, decode_attention)
     assert engine.workers[0].runner.native_decode == (decode_attention == "native")
+    assert engine.workers[0].runner.flex == (decode_attention == "flex")
     rng = random.Random(11)
     prefix = [rng.randrange(5, 512) for _ in range(24)]
     shared = [prefix + [rng.randrange(5, 512) for _ in range(n)] for n in (1, 5, 9)]

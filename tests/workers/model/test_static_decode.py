@@ -250,3 +250,14 @@ def test_graphs_run_the_synchronous_step_by_default():
     assert not pipelined(config(), "cpu") and not pipelined(config(enforce_eager=False), "cpu")
     forced = load_config({"model": {"tiny": "default"}, "scheduler": {"async_scheduling": True}})
     assert pipelined(forced, "cuda")
+
+
+@pytest.mark.parametrize("attention", ["torch", "flex"])
+def test_the_fixed_shape_forward_checks_itself_against_the_variable_shape_one(attention):
+    """What a GPU runs after capturing its graphs: a probe's decode step both ways, on blocks no request holds;
+    the same logits (FlexAttention's graph path too), and a decoder that computed wrongly is caught."""
+    r = runner(decode_attention=attention)
+    fixed = StaticDecoder(r, "eager", 16)
+    assert fixed.disagreement() is None
+    fixed._forward_shape = lambda size, width, real=fixed._forward_shape: real(size, width) * 1.01
+    assert "differ from the variable-shape forward" in fixed.disagreement()
