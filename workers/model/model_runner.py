@@ -40,7 +40,7 @@ from workers.model.paged_attention import (
 )
 from workers.model.static_decode import StaticDecoder, decode_mode
 from workers.model.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
-from workers.model.tiny import random_weights_seed
+from workers.model.tiny import random_model, random_weights_seed
 from workers.row_work import RowWork
 
 logger = logging.getLogger(__name__)
@@ -141,10 +141,7 @@ class ModelRunner:
             if tensor_parallel_size > 1:
                 raise ValueError(f"{model_path} holds no weights (random weights built on each device): "
                                  "it cannot be sharded across tensor-parallel ranks")
-            torch.manual_seed(seed)  # every CPU and CUDA generator: each worker builds the same weights
-            with torch.device(self.device):
-                model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=self.dtype,
-                                                         trust_remote_code=trust_remote_code)
+            model = random_model(copy.deepcopy(model_config), seed, self.dtype, self.device)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 str(model_path), config=copy.deepcopy(model_config), dtype=self.dtype,

@@ -214,6 +214,36 @@ def build_tiny_model(spec: TinySpec, out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def random_model(config: object, seed: int, dtype: object, device: object) -> object:
+    """The random-weight model of a bench shape, the same on every worker of one device type: built on the
+    meta device, then every parameter filled in order from one seeded generator (uniform with the config's
+    standard deviation; norms' weights 1). One fill, on the device: a 1B model takes seconds on two cores,
+    an 8B one a moment on a GPU (transformers' own init fills each weight twice)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    bound = 3 ** 0.5 * getattr(config, "initializer_range", 0.02)  # uniform with that standard deviation
+    with torch.no_grad():
+        for _, parameter in model.named_parameters():
+            if parameter.dim() == 1:
+                parameter.fill_(1.0 if parameter.dtype.is_floating_point else 0)
+            else:
+                parameter.uniform_(-bound, bound, generator=generator)
+        for module in model.modules():  # buffers computed from the config (rotary frequencies), not weights
+            if hasattr(module, "inv_freq") and hasattr(module, "config"):
+                with torch.device("cpu"):
+                    fresh = type(module)(config=module.config)
+                for name, buffer in fresh.named_buffers(recurse=False):
+                    getattr(module, name).copy_(buffer)
+                module.attention_scaling = getattr(fresh, "attention_scaling", getattr(module, "attention_scaling", 1.0))
+    return model.eval()
+
+
 def random_weights_seed(model_path: str | Path) -> int | None:
     """The seed a worker builds this model's weights from on its device, or None for a model with weights."""
     marker = Path(model_path) / RANDOM_WEIGHTS

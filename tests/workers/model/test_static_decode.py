@@ -261,3 +261,33 @@ def test_the_fixed_shape_forward_checks_itself_against_the_variable_shape_one(at
     assert fixed.disagreement() is None
     fixed._forward_shape = lambda size, width, real=fixed._forward_shape: real(size, width) * 1.01
     assert "differ from the variable-shape forward" in fixed.disagreement()
+
+
+def test_a_llama3_2_1b_shaped_model_gives_transformers_eager_greedy_tokens_through_the_static_path():
+    """A 1B-class shape (Llama-3.2-1B's: 16 layers of 2048, 32 heads over 8 KV heads, a 128k vocabulary, tied
+    embeddings), random weights built from the preset's seed: the compiled fixed-shape decode
+    (``enforce_eager: false``, the CPU proof of a GPU's graphs, on merged layers) gives transformers' eager
+    float32 greedy tokens, token for token."""
+    from transformers import AutoConfig
+
+    from workers.model.tiny import random_model, random_weights_seed
+
+    path = ensure_tiny_model("llama3.2-1b-shape")
+    prompts = [[101, 2000, 3000, 400, 55, 66, 77, 88, 99, 1234, 4321], [5, 6, 7, 8, 9, 10, 11]]
+    reference = random_model(AutoConfig.from_pretrained(path), random_weights_seed(path), torch.float32, "cpu")
+    reference.set_attn_implementation("eager")
+    with torch.inference_mode():
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    del reference
+    r = ModelRunner(path, "cpu", "float32", max_model_len=64, max_rows=2, enforce_eager=False, probe_cpu_rows=False,
+                    verify=False, kv_cache_memory=64 << 20)
+    assert r.static.mode == "compiled" and all(hasattr(layer.self_attn, "qkv_proj") for layer in r.model.model.layers)
+    tables = [list(range(0, 4)), list(range(4, 8))]
+    got = [[int(x)] for x in r.forward([RowWork(t, p, 0, 1) for t, p in zip(tables, prompts)]).argmax(-1)]
+    for _ in range(5):
+        work = [RowWork(t, [g[-1]], len(p) + len(g) - 1, 1, decode=True) for t, p, g in zip(tables, prompts, got)]
+        assert r.static.shape(work) is not None  # the fixed-shape forward takes the step
+        for tokens, token in zip(got, r.forward(work).argmax(-1).tolist()):
+            tokens.append(token)
+    assert got == want and r.static.compiled_graphs >= 1
