@@ -130,6 +130,15 @@ def apply_on_rows(
             if out.data_ptr() != view.data_ptr():
                 view.copy_(out)
         else:
-            index = torch.from_numpy(idx).to(logits.device)
+            index = upload(idx, logits.device)
             logits.index_copy_(0, index, fn(logits.index_select(0, index), idx))
     return logits
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without making the host wait for the device: through pinned memory and a
+    non-blocking copy on CUDA (a pageable copy there waits for the stream first), as it is elsewhere."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -9,6 +9,7 @@ import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate
+from processors.row_columns import upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.state import process_dict_updates
 
@@ -41,8 +42,8 @@ class AllowedTokenIdsLogitsProcessor(RowwiseLogitsProcessor):
         keep_toks = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in local])
         # (n_rows_with_list, vocab) mask: True where the token must go.
         mask = torch.ones(len(local), logits.shape[1], dtype=torch.bool, device=logits.device)
-        mask[torch.from_numpy(keep_rows).to(logits.device), torch.from_numpy(keep_toks).to(logits.device)] = False
-        index = torch.from_numpy(row_ids).to(logits.device)
+        mask[upload(keep_rows, logits.device), upload(keep_toks, logits.device)] = False
+        index = upload(row_ids, logits.device)
         logits[index] = logits[index].masked_fill_(mask, float("-inf"))
         return logits
 

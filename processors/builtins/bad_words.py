@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate
+from processors.row_columns import upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
@@ -54,11 +56,9 @@ class BadWordsLogitsProcessor(RowwiseLogitsProcessor):
                     ban_rows.append(index - rows.start)
                     ban_toks.append(seq[-1])
         if ban_rows:
-            index = (
-                torch.tensor(ban_rows, dtype=torch.long, device=logits.device),
-                torch.tensor(ban_toks, dtype=torch.long, device=logits.device),
-            )
-            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+            index = (upload(np.asarray(ban_rows, dtype=np.int64), logits.device),
+                     upload(np.asarray(ban_toks, dtype=np.int64), logits.device))
+            logits.index_put_(index, logits.new_full((), float("-inf")))
         return logits
 
     def state_digest(self) -> bytes:

@@ -142,7 +142,10 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         self.reasoning = reasoning
         self.cache_size = cache_size
         self._grammars: GrammarCache | None = None
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None  # on the host (pinned on CUDA), filled by the matchers
+        self._device_bitmask: torch.Tensor | None = None  # its copy on a GPU
+        self._copied: Any = None  # the event after that copy: the host buffer is refilled only once it is done
+        self._filled: list[int] | None = None  # the rows whose masks the buffers hold; None: stale
         self.rows: dict[int, RowMatcher] = {}
 
     def is_argmax_invariant(self) -> bool:
@@ -178,6 +181,35 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         process_dict_updates(self.rows, batch_update, self._new_row)
         for row in self.rows.values():
             self._sync(row)
+        self._filled = None
+        if self.rows:
+            self._fill()  # here, while the step's forward runs, not after it
+
+    def _masked_rows(self) -> list[int]:
+        return sorted(i for i, row in self.rows.items()
+                      if row.start is not None and row.rejected_at is None and not row.matcher.is_terminated())
+
+    def _fill(self) -> None:
+        """Every constrained row's mask of allowed tokens, filled on the host by its matcher, and on a GPU
+        copied to the device with one non-blocking copy from pinned memory (no host wait)."""
+        import xgrammar as xgr
+
+        rows = self._masked_rows()
+        if rows and self._bitmask is None:
+            width = self.vocab_size or 0
+            self._bitmask = xgr.allocate_token_bitmask(self.max_rows, width)
+            if self.device.type == "cuda":
+                self._bitmask = self._bitmask.pin_memory()
+                self._device_bitmask = torch.empty_like(self._bitmask, device=self.device)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy out of the buffer: long done
+        for i in rows:
+            self.rows[i].matcher.fill_next_token_bitmask(self._bitmask, i)
+        if rows and self._device_bitmask is not None:
+            self._device_bitmask.copy_(self._bitmask, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._filled = rows
 
     def _sync(self, row: RowMatcher) -> None:
         output = row.output
@@ -206,17 +238,18 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
     def apply_rows(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         import xgrammar as xgr
 
-        local = [i - rows.start for i, row in self.rows.items()
-                 if rows.start <= i < rows.stop and row.start is not None and row.rejected_at is None
-                 and not row.matcher.is_terminated()]
+        if self._filled is None or (self._bitmask is not None and self._bitmask.shape[1] * 32 < logits.shape[1]):
+            if self._bitmask is not None and self._bitmask.shape[1] * 32 < logits.shape[1]:
+                self._bitmask = self._device_bitmask = None  # a vocabulary wider than the config said
+            self.vocab_size = max(self.vocab_size or 0, logits.shape[1])
+            self._fill()
+        local = [i - rows.start for i in self._filled if rows.start <= i < rows.stop]
         if not local:
             return logits
-        if self._bitmask is None:
-            self._bitmask = xgr.allocate_token_bitmask(self.max_rows, logits.shape[1])
-        for i in local:
-            self.rows[i + rows.start].matcher.fill_next_token_bitmask(self._bitmask, i)
-        mask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device)
-        xgr.apply_token_bitmask_inplace(logits, mask[: logits.shape[0]], indices=local)
+        mask = self._device_bitmask if self._device_bitmask is not None and logits.is_cuda else self._bitmask
+        mask = mask[rows.start: rows.start + logits.shape[0]]
+        xgr.apply_token_bitmask_inplace(logits, mask if mask.device == logits.device else mask.to(logits.device),
+                                        indices=local)
         return logits
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

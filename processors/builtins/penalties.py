@@ -14,7 +14,7 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_columns import RowColumns
+from processors.row_columns import RowColumns, upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SamplingParams
 
@@ -83,16 +83,16 @@ class PenaltiesLogitsProcessor(RowwiseLogitsProcessor):
             keys = np.union1d(np.concatenate(prompt_keys), out_rep)
             r, t = self._index(keys, vocab, logits.device)
             values = logits[r, t]
-            penalty = torch.from_numpy(rep[keys // vocab + rows.start]).to(logits.device)
+            penalty = upload(rep[keys // vocab + rows.start], logits.device)
             logits[r, t] = torch.where(values > 0, values / penalty, values * penalty)
 
         freq, pres = self.rows["frequency"], self.rows["presence"]
         if out_keys.size and (freq[active].any() or pres[active].any()):
             r, t = self._index(out_keys, vocab, logits.device)
             absolute = (out_keys // vocab) + rows.start
-            f = torch.from_numpy(freq[absolute]).to(logits.device)
-            p = torch.from_numpy(pres[absolute]).to(logits.device)
-            counts = torch.from_numpy(out_counts.astype(np.float32)).to(logits.device)
+            f = upload(freq[absolute], logits.device)
+            p = upload(pres[absolute], logits.device)
+            counts = upload(out_counts.astype(np.float32), logits.device)
             logits[r, t] = logits[r, t] - f * counts - p
         return logits
 

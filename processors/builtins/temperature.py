@@ -9,7 +9,7 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_columns import RowColumns, apply_on_rows
+from processors.row_columns import RowColumns, apply_on_rows, upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
 from processors.sampling_params import SAMPLING_EPS
 
@@ -35,7 +35,7 @@ class TemperatureLogitsProcessor(RowwiseLogitsProcessor):
         local = np.flatnonzero(temps != 1.0)
 
         def scale(sub: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-            return sub.div_(torch.from_numpy(temps[idx]).to(sub.device).unsqueeze(1))
+            return sub.div_(upload(temps[idx], sub.device).unsqueeze(1))
 
         return apply_on_rows(logits, local, scale)
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate, MoveDirectionality
 from processors.markers import Marker, TextMarker, TokenMarker, as_marker
+from processors.row_columns import upload
 
 
 @dataclass
@@ -136,8 +138,8 @@ class ThinkingBudgetStateHolder:
             return logits
         forced = self.forced_rows(rows, num_drafts)
         if forced:
-            local = torch.tensor([i - rows.start for i in forced], dtype=torch.long, device=logits.device)
-            tokens = torch.tensor(list(forced.values()), dtype=torch.long, device=logits.device)
+            local = upload(np.asarray([i - rows.start for i in forced], dtype=np.int64), logits.device)
+            tokens = upload(np.asarray(list(forced.values()), dtype=np.int64), logits.device)
             logits[local] = float("-inf")
             logits[local, tokens] = 0.0
         return logits

@@ -17,7 +17,7 @@ import torch
 
 from processors.digest import digest_of
 from processors.interface import BatchUpdate
-from processors.row_columns import RowColumns, apply_on_rows
+from processors.row_columns import RowColumns, apply_on_rows, upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
 
 FIRST_TOP_P_CANDIDATES = 64
@@ -70,13 +70,37 @@ def _nucleus_in_window(values: torch.Tensor, p: np.ndarray) -> torch.Tensor:
     return values.gather(1, kept - 1)
 
 
+def sorted_thresholds(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(rows, 1) cut-off of each row after top-k (``k`` 0: off) then top-p (``p`` 1: off), from one sort of
+    the rows, with no value read on the host: the same rule as the windowed path (thresholds on values,
+    ties kept together; the top-p mass is over the tokens top-k kept), for a device, where a sort of the
+    vocabulary is cheap and a host read stalls the step. ``k``, ``p``: (rows,) on the logits' device."""
+    vocab = logits.shape[1]
+    values = logits.sort(dim=-1, descending=True).values  # (rows, vocab)
+    index = (k.clamp(1, vocab) - 1).unsqueeze(1)
+    kth = values.gather(1, index).masked_fill_((k == 0).unsqueeze(1), float("-inf"))
+    kept_k = values.masked_fill(values < kth, float("-inf"))
+    log_norm = torch.logsumexp(kept_k, dim=-1, keepdim=True)
+    probs = (kept_k - log_norm).exp_()
+    mass_above = probs.cumsum(dim=-1) - probs  # mass of strictly higher-ranked tokens
+    kept = (mass_above < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    nucleus = kept_k.gather(1, kept - 1).masked_fill_((p >= 1.0).unsqueeze(1), float("-inf"))
+    return torch.maximum(kth, nucleus)
+
+
 class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
-    """Keeps each row's top-k tokens (ties kept), then its top-p nucleus of those."""
+    """Keeps each row's top-k tokens (ties kept), then its top-p nucleus of those.
+
+    ``sync_free`` (on a device; the sampler sets it): one sort per row and no host read
+    (``sorted_thresholds``); else, on CPU, the windowed search above, which avoids sorting the vocabulary."""
+
+    sync_free = False
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.rows = RowColumns(
             vllm_config.scheduler_config.max_num_seqs, {"top_k": (np.int64, 0), "top_p": (np.float32, 1.0)}
         )
+        self.device = torch.device(device)
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -93,7 +117,23 @@ class TopKTopPLogitsProcessor(RowwiseLogitsProcessor):
         k = np.minimum(self.rows["top_k"][rows.start : rows.stop], logits.shape[1])
         p = self.rows["top_p"][rows.start : rows.stop]
         local = np.flatnonzero((k > 0) | (p < 1.0))
+        if self.sync_free:
+            return self._filter_sorted(logits, local, k, p)
         return apply_on_rows(logits, local, lambda sub, idx: self._filter(sub, k[idx], p[idx]))
+
+    @staticmethod
+    def _filter_sorted(logits: torch.Tensor, local: np.ndarray, k: np.ndarray, p: np.ndarray) -> torch.Tensor:
+        if not local.size:
+            return logits
+        device = logits.device
+        every = local.size == logits.shape[0]
+        sub = logits if every else logits.index_select(0, upload(local, device))
+        threshold = sorted_thresholds(sub, upload(k[local], device), upload(p[local], device))
+        if every:
+            return logits.masked_fill_(logits < threshold, float("-inf"))
+        index = upload(local, device)
+        logits.index_copy_(0, index, sub.masked_fill_(sub < threshold, float("-inf")))
+        return logits
 
     @staticmethod
     def _filter(logits: torch.Tensor, k: np.ndarray, p: np.ndarray) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from processors.digest import dict_items_sorted, digest_of
 from processors.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
-from processors.row_columns import apply_on_rows
+from processors.row_columns import apply_on_rows, upload
 from processors.sampling_params import SamplingParams
 from processors.state import process_dict_updates
 
@@ -90,7 +90,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         active = np.flatnonzero(self.min_p_cpu[start:stop])
 
         def mask(sub: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-            min_p = torch.from_numpy(self.min_p_cpu[idx + start]).to(sub.device).unsqueeze(1)
+            min_p = upload(self.min_p_cpu[idx + start], sub.device).unsqueeze(1)
             return self._mask(sub, min_p)
 
         return apply_on_rows(logits, active, mask)

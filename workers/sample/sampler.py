@@ -45,7 +45,7 @@ from processors.builtins.temperature import TemperatureLogitsProcessor
 from processors.builtins.thinking_budget import ThinkingBudgetStateHolder
 from processors.builtins.top_k_top_p import TopKTopPLogitsProcessor
 from processors.loading import CustomProcessor, load_custom_processors, split_by_interface
-from processors.row_columns import RowColumns
+from processors.row_columns import RowColumns, upload
 from processors.sampling_params import SAMPLING_EPS
 from workers.sample.counter_rng import gumbel_argmax, stream_base
 from workers.sample.row_argmax import row_max_argmax
@@ -107,6 +107,9 @@ class Sampler:
         self.penalties = PenaltiesLogitsProcessor(*args)
         self.temperature = TemperatureLogitsProcessor(*args)
         self.top_k_top_p = TopKTopPLogitsProcessor(*args)
+        # No host read of a device value before the sampled ids (``sample``): on a GPU each such read stalls
+        # the host until the device drains. On CPU, where nothing waits, shortcuts that read stay on.
+        self.sync_free = self.device.type != "cpu"
         self.rows = RowColumns(
             config.scheduler_config.max_num_seqs,
             {
@@ -338,7 +341,7 @@ class Sampler:
         counts = self.rows["num_logprobs"][local + rows.start]
         n_max = int(counts.max())
         top = logprobs.topk(n_max, dim=-1) if n_max else None
-        chosen = sampled[torch.from_numpy(local).to(sampled.device)]
+        chosen = sampled[torch.from_numpy(local)].to(logprobs.device)  # the sampled ids, read on the host
         chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
         ranks = (logprobs >= chosen_lp).sum(dim=-1)
         out = {}
@@ -384,8 +387,10 @@ class Sampler:
             logits = self.thinking.apply_rows(logits, rows, num_drafts)
         row_max, greedy_tokens = row_max_argmax(logits)
         if not self.all_greedy():
+            # Condemned rows (no finite maximum) become zeros, so min-p or top-p cannot trip over them. On a
+            # device in one pass, unread; on CPU only where some row is (the read costs nothing, the pass does).
             bad = ~torch.isfinite(row_max)
-            if bool(bad.any()):  # condemned rows: zeros, so min-p or top-p cannot trip over them
+            if self.sync_free or bool(bad.any()):
                 logits.masked_fill_(bad.unsqueeze(1), 0.0)
             logits = self._run(self.temperature, logits, rows)
             for proc in self.logitsprocs.argmax_invariant:
@@ -439,32 +444,29 @@ class Sampler:
         return np.flatnonzero(self.rows["num_logprobs"][rows.start : rows.stop] >= 0)
 
     def __call__(self, logits: torch.Tensor, rows: slice | None = None) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (persistent-batch rows ``rows``).
+        """Sample one token per row of ``logits`` (persistent-batch rows ``rows``): ``sample``, then ``finish``.
 
         ``logits`` may be modified in place.
         """
+        return self.sample(logits, rows).finish()
+
+    def sample(self, logits: torch.Tensor, rows: slice | None = None) -> PendingSample:
+        """Every stage and the draw, as device work: with ``sync_free`` no value is read on the host here, so
+        the host returns at once and the first read is the sampled ids (``PendingSample.finish``)."""
+        self.top_k_top_p.sync_free = self.sync_free
         rows = self.check_rows(logits, rows)
         logprob_local = self.logprob_rows(rows)
-        raw = logits[torch.from_numpy(logprob_local).to(logits.device)] if logprob_local.size else None
+        raw = logits[upload(logprob_local, logits.device)] if logprob_local.size else None
         tracker = self.tracker()
         logits, sampled, row_max = self.process(logits, rows, tracker=tracker)
         random_local = np.flatnonzero(~self.rows["greedy"][rows.start : rows.stop])
         if random_local.size:
-            index = torch.from_numpy(random_local).to(sampled.device)
+            index = upload(random_local, sampled.device)
             random_max = torch.empty(random_local.size, dtype=logits.dtype, device=logits.device)
             sampled[index] = self.sample_random(logits, random_local, rows, row_max=random_max)
             before = row_max[index]  # a row bad at the greedy point stays bad (it was zeroed since)
             row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
-        faults: list[int] = []
-        out = SamplerOutput(sampled_token_ids=sampled.to(torch.int64),
-                            errors=self.row_errors(row_max, rows, tracker, model_faults=faults), model_faults=faults)
-        if out.errors:
-            out.sampled_token_ids[torch.tensor([r - rows.start for r in out.errors], device=sampled.device)] = 0
-        if raw is not None:
-            out.logprobs = self.logprobs(raw, logprob_local, rows, out.sampled_token_ids)
-            for row in out.errors:
-                out.logprobs.pop(row, None)
-        return out
+        return PendingSample(self, sampled, row_max, tracker, rows, raw, logprob_local)
 
     def positions(self, absolute_rows: np.ndarray) -> np.ndarray:
         """Absolute position of the token each row samples next: prompt + output so far."""
@@ -476,8 +478,8 @@ class Sampler:
     def random_base(self, absolute_rows: np.ndarray, salt: int = 0) -> torch.Tensor:
         """Counter-RNG state of each batch row at the position it samples next."""
         return stream_base(
-            torch.from_numpy(self.rows["key"][absolute_rows]).to(self.device),
-            torch.from_numpy(self.positions(absolute_rows)).to(self.device),
+            upload(self.rows["key"][absolute_rows], self.device),
+            upload(self.positions(absolute_rows), self.device),
             salt,
         )
 
@@ -485,12 +487,42 @@ class Sampler:
                     row_max: torch.Tensor | None = None) -> torch.Tensor:
         """One Gumbel-max sample per row of ``logits``, which belong to batch rows ``absolute_rows``
         (``row_max``: receives each row's maximum, see ``gumbel_argmax``)."""
-        return gumbel_argmax(logits, self.random_base(absolute_rows, salt).to(logits.device), row_max=row_max)
+        return gumbel_argmax(logits, self.random_base(absolute_rows, salt).to(logits.device), row_max=row_max,
+                             dense=True if self.sync_free else None)
 
     def sample_random(self, logits: torch.Tensor, local: np.ndarray, rows: slice, salt: int = 0,
                       row_max: torch.Tensor | None = None) -> torch.Tensor:
         """Samples for rows ``local`` of a shard's ``logits`` (placement-independent)."""
         base = self.random_base(local + rows.start, salt).to(logits.device)
         every_row = local.size == logits.shape[0]  # local is sorted: then it is 0..n-1
-        return gumbel_argmax(logits, base, None if every_row else torch.from_numpy(local).to(logits.device),
-                             row_max=row_max)
+        return gumbel_argmax(logits, base, None if every_row else upload(local, logits.device),
+                             row_max=row_max, dense=True if self.sync_free else None)
+
+
+@dataclass
+class PendingSample:
+    """A step's draw as the device computes it; ``finish`` reads it. The sampled ids are the first read,
+    so on a GPU the host waits once, for the whole step; the rows that could not be sampled and the
+    logprobs are read after them."""
+
+    sampler: Sampler
+    sampled: torch.Tensor  # (rows,) on the device
+    row_max: torch.Tensor  # (rows,) each row's maximum: not finite where the row cannot be sampled
+    tracker: BadRowTracker | None
+    rows: slice
+    raw: torch.Tensor | None  # the model's logits of the rows that asked for logprobs
+    logprob_local: np.ndarray
+
+    def finish(self) -> SamplerOutput:
+        sampler, rows = self.sampler, self.rows
+        tokens = self.sampled.to("cpu", torch.int64)  # the step's first host read
+        faults: list[int] = []
+        errors = sampler.row_errors(self.row_max, rows, self.tracker, model_faults=faults)
+        if errors:
+            tokens[[r - rows.start for r in errors]] = 0
+        out = SamplerOutput(sampled_token_ids=tokens, errors=errors, model_faults=faults)
+        if self.raw is not None:
+            out.logprobs = sampler.logprobs(self.raw, self.logprob_local, rows, tokens)
+            for row in errors:
+                out.logprobs.pop(row, None)
+        return out
