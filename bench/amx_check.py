@@ -1,4 +1,4 @@
-"""Issue 57's CPU checks on whatever CPU runs this: a linear row's bits at every row count, and seeded requests alone against batched.
+"""Issues 57 and 80's CPU checks on whatever CPU runs this: a linear row's bits at every row count, and seeded requests alone against batched.
 
 The issue's defect was seen on an Intel Xeon with AMX, where oneDNN's bfloat16 kernel changes at 33
 rows. None of the 2-core machines here has AMX; the lent GPU machines' hosts are Intel Xeons, which
@@ -13,17 +13,16 @@ For each dtype it prints:
 - **the kernels as they are**: each linear shape's row counts M (1 to ``--rows``; the LM head to the
   64 rows a step samples) at which some row's output in a call of M rows differs from the same row in
   a call of all of them: the issue's table, for this CPU;
-- **as the runner builds them**: the row windows its start-up probe installed
-  (``workers/cpu/row_invariance.py``), and the same sweep through the runner's layers, which must find
-  nothing;
+- **as the runner builds them**: every linear in calls of ``model.cpu_row_tile`` rows
+  (``workers/cpu/row_tiles.py``), and the same sweep through the runner's layers, which must find nothing;
 - **the engine** (in-process): ``--prompts`` prompts of different lengths in one batch (past 33 rows
   a decode step), seeded random (temperature 0.8, seed 7, as the issue's example) and greedy,
   ``--max-tokens`` each, and the first ``--alone`` of them each alone: tokens and logprobs compared
   bit for bit (equal logprobs mean equal logits); then the same with
-  the probe turned off, which shows whether this CPU's kernels would have changed the tokens
-  without it.
+  the construction off (``model.batch_invariant: false``), which shows whether this CPU's kernels would
+  have changed the tokens without it.
 
-Exits 1 where the runner's sweep or the engine with the probe differs, else 0.
+Exits 1 where the runner's sweep or the engine with the construction differs, else 0.
 
     python bench/amx_check.py [--dtypes bfloat16,float32] [--rows 128] [--prompts 48] [--real]
 """
@@ -42,11 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import workers.model.model_runner as model_runner  # noqa: E402
 from cluster.engine.local_engine import LocalEngine  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 from workers.cpu.cpu_linear import PrepackedLinear, prepack_available  # noqa: E402
-from workers.cpu.row_invariance import _kernel as own_kernel  # noqa: E402  the layer's matmul without its window
+from workers.cpu.row_tiles import kernel_of as own_kernel  # noqa: E402  the layer's matmul without its tiles
 from workers.model.model_runner import ModelRunner  # noqa: E402
 from workers.model.tiny import ensure_tiny_model  # noqa: E402
 
@@ -92,23 +90,12 @@ def linear_shapes(runner: ModelRunner) -> dict[tuple[int, int, bool], nn.Module]
 def sweep_linears(model_path: Path, dtype: str, rows: int) -> bool:
     """The kernels as they are, then as the runner runs them; True where the runner's layers are invariant."""
     start = time.perf_counter()
-    probe, windows = model_runner.make_rows_independent, {}
-
-    def recorded(*args, **kwargs):
-        windows.update(probe(*args, **kwargs))
-        return windows
-
-    model_runner.make_rows_independent = recorded
-    try:
-        runner = ModelRunner(model_path, "cpu", dtype, max_model_len=256, max_rows=SAMPLED_ROWS,
-                             max_step_tokens=2 * rows, verify=False)
-    finally:
-        model_runner.make_rows_independent = probe
+    runner = ModelRunner(model_path, "cpu", dtype, max_model_len=256, max_rows=SAMPLED_ROWS,
+                         max_step_tokens=2 * rows, verify=False)
     prepacked = prepack_available(torch.device("cpu"), runner.dtype)
-    installed = sorted({f"{name.rsplit('.', 1)[-1]} {w.low}-{w.high}" for name, w in windows.items()})
+    tiles = sorted({getattr(m, "row_tile", None) for m in runner.model.modules() if own_kernel(m) is not None} - {None})
     print(f"  linears: {'oneDNN prepacked' if prepacked else 'torch matmul (no native oneDNN kernels)'}; "
-          f"row windows the probe installed: {', '.join(installed) or 'none'} (runner built in "
-          f"{time.perf_counter() - start:.1f} s)")
+          f"rows per call: {tiles} (runner built in {time.perf_counter() - start:.1f} s)")
     generator = torch.Generator().manual_seed(3)
     invariant = True
     with torch.inference_mode():
@@ -146,20 +133,16 @@ def engine_checks(model: dict, dtype: str, prompts: list[str], max_tokens: int, 
     samplings = {"seeded random": SamplingParams(temperature=0.8, seed=7, max_tokens=max_tokens, ignore_eos=True,
                                                  logprobs=0),
                  "greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)}
-    probe = model_runner.make_rows_independent
     exact = True
+    off = {**config, "model": {**config["model"], "batch_invariant": False}}
     for label, params in samplings.items():
         start = time.perf_counter()
         same, total = alone_and_batched(config, prompts, params, alone)
         exact &= same == total
-        model_runner.make_rows_independent = lambda *args, **kwargs: {}
-        try:
-            unprobed, _ = alone_and_batched(config, prompts, params, alone)
-        finally:
-            model_runner.make_rows_independent = probe
+        unfixed, _ = alone_and_batched(off, prompts, params, alone)
         print(f"  engine, {label}: {same}/{total} requests alone give their tokens and logprobs in the batch of "
               f"{len(prompts)} "
-              f"({unprobed}/{total} with the probe off; {time.perf_counter() - start:.0f} s)")
+              f"({unfixed}/{total} with the construction off; {time.perf_counter() - start:.0f} s)")
     return exact
 
 

@@ -90,7 +90,7 @@ def main() -> int:
     path = model_path(args.tiny, args.dtype)
     runner = ModelRunner(path, "cpu", args.dtype, max_model_len=1024, max_rows=args.rows, verify=False,
                          decode_attention="torch", prepack_cpu_weights=False, block_size=16,
-                         merge_projections=not args.unmerged, probe_cpu_rows=False)  # the linears as on a GPU
+                         merge_projections=not args.unmerged, batch_invariant=False)  # the linears as on a GPU
     layers = runner.num_layers
     work = decode_rows(runner, args.rows, args.position)
     logits = runner.forward(work)

@@ -149,7 +149,7 @@ def main() -> int:
         start = time.perf_counter()
         runner = ModelRunner(path, device, dtype, max_model_len=max(longest, 2048) if device.type == "cuda" else longest,
                              max_rows=rows,
-                             block_size=16, verify=device.type == "cuda", probe_cpu_rows=False,
+                             block_size=16, verify=device.type == "cuda", batch_invariant=False,
                              kv_cache_memory=None if device.type == "cuda" else (blocks_needed + 8) * 1 << 20)
         print(f"{shape}: runner up in {time.perf_counter() - start:.1f} s, {runner.num_blocks} KV blocks, "
               f"{'FlexAttention' if runner.flex else 'torch'} attention, "

@@ -85,6 +85,11 @@ class ModelSection(_Section):
     # forward on CPU; true: eager everywhere; false on CPU: the fixed-shape forward under
     # torch.compile(fullgraph=True), the proof that it is graph-safe (workers/model/static_decode.py).
     enforce_eager: bool | None = None
+    # CPU: a row's bits never depend on its batch or its prompt's chunking, by construction (docs/reliability.md):
+    # every linear called with exactly cpu_row_tile rows (padded or split), every query attended in the native
+    # kernel. false: the kernels as they are (faster where prompts are long; bits may move with the batch).
+    batch_invariant: bool = True
+    cpu_row_tile: int = Field(default=64, ge=1, le=4096)
     cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None  # default: 1, 2, 4, 8, 16, 24, ...
     # Ranks per worker (vLLM's tensor_parallel_size): each worker is a group of this many Ray actors,
     # one per GPU (or CPU share), each holding its shard of the model and of the attention heads;

@@ -20,7 +20,7 @@ import torch
 from workers.cpu import host_memory, native_attention
 from workers.cpu.cpu_fusion import fuse_cpu_layers
 from workers.cpu.cpu_linear import prepack_available
-from workers.cpu.row_invariance import make_rows_independent
+from workers.cpu.row_tiles import DEFAULT_TILE, fix_row_counts
 from workers.model.attention_probe import verify_once
 from workers.model.decode_layout import block_major_layout
 from workers.model.memory_plan import GpuMemoryPlan
@@ -45,6 +45,7 @@ from workers.row_work import RowWork
 
 logger = logging.getLogger(__name__)
 
+INVARIANT_QUERIES_PER_ROW = 1  # batch-invariant CPU attention: each query a row of its own in the native kernel
 MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
 
 
@@ -113,7 +114,7 @@ class ModelRunner:
                  spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None,
                  model_config: Any = None, max_step_tokens: int = 2048, max_logit_rows: int | None = None,
-                 probe_cpu_rows: bool = True) -> None:
+                 batch_invariant: bool = True, row_tile: int = DEFAULT_TILE) -> None:
         """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
         ahead writes the token of a row entering a block the coordinator has not yet given it
         (``workers.step.ahead``); ``copy_blocks`` moves it there once the plan names the block.
@@ -125,8 +126,10 @@ class ModelRunner:
         ``model_config``: the Hugging Face config the run already read (``workers.model.model_facts``); a copy
         is loaded with, since loading sets fields on it. ``max_step_tokens`` (the scheduler's token budget) and
         ``max_logit_rows`` (rows that sample, drafts included; unset, ``max_rows``): the most rows a linear layer
-        and the LM head see in one step, up to which a CPU's linears are probed (``workers.cpu.row_invariance``);
-        ``probe_cpu_rows=False`` leaves the linears as a GPU runs them (benches that count a GPU's operators on CPU)."""
+        and the LM head see in one step. ``batch_invariant`` (CPU, one rank): every linear called with exactly
+        ``row_tile`` rows (``workers.cpu.row_tiles``) and every query attended in the native kernel, so a row's
+        bits depend neither on its batch nor on its prompt's chunking; False leaves the linears as a GPU runs
+        them (benches that count a GPU's operators on CPU, and the measure of what the construction costs)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         register_paged_attention()
@@ -159,6 +162,7 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
         self.flex = use_flex_attention(decode_attention, self.device)
+        self.batch_invariant = batch_invariant and self.device.type == "cpu" and tensor_parallel_size == 1
         self.vocab_size = config.vocab_size
         self.block_size = block_size or default_block_size(self.device, self.native_decode)
         self.num_layers, kv_heads, self.head_dim = kv_geometry(config)
@@ -208,10 +212,10 @@ class ModelRunner:
             merge_projections = self.device.type != "cpu" or static_mode == "compiled"
         if merge_projections and not cpu_fused and tensor_parallel_size == 1:
             merge_layers(self.model, paged_attention)
-        if probe_cpu_rows and self.device.type == "cpu" and tensor_parallel_size == 1:
+        if self.batch_invariant:
             from workers.host_cache import cache_root
 
-            make_rows_independent(self.model, max_step_tokens, max_logit_rows or max_rows, cache_root() / "row-probes")
+            fix_row_counts(self.model, row_tile, cache_root() / "row-tiles")
         if static_mode:
             self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
             self.static.capture()
@@ -342,7 +346,16 @@ class ModelRunner:
         long_rows = [s for s in spans if not (s[2] <= SHORT_QUERY_LIMIT and rows[s[0]].decode)]
         native = None
         block_major: list[BlockMajorDecode] = []
-        if short and self.native_decode:
+        if self.native_decode and self.batch_invariant:
+            # Every query attends in the one kernel, prompt chunks too, as a row of its own: what it computes for a
+            # query then cannot depend on which queries shared its call, so neither the chunking of a prompt nor
+            # the batch moves a token's bits (the kernel already gives each query the same bits in a row of many).
+            piece = INVARIANT_QUERIES_PER_ROW
+            short = [(i, offset + j, min(piece, n - j)) for i, offset, n in spans for j in range(0, n, piece)]
+            long_rows = []
+            native = self._native(rows, short, len(ids), [rows[i].start_pos + (offset - first) for (i, offset, _), first
+                                                         in zip(short, self._row_offsets(short, spans))])
+        elif short and self.native_decode:
             native = self._native(rows, short, len(ids))
         elif short and not self.flex:
             block_major = [self._block_major(rows, short, positions)]
@@ -378,11 +391,21 @@ class ModelRunner:
         return block_major_layout(tables, [positions[offset : offset + n] for _, offset, n in members],
                                   [offset for _, offset, _ in members], bs, self.cache.num_blocks, self.device)
 
-    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], num_tokens: int) -> NativeDecode:
+    @staticmethod
+    def _row_offsets(pieces: list[tuple[int, int, int]], spans: list[tuple[int, int, int]]) -> list[int]:
+        """Each piece's row's first offset in the packed sequence."""
+        first = {i: offset for i, offset, _ in spans}
+        return [first[i] for i, _, _ in pieces]
+
+    def _native(self, rows: list[RowWork], members: list[tuple[int, int, int]], num_tokens: int,
+                starts: list[int] | None = None) -> NativeDecode:
+        """``members``: (row, offset in the packed sequence, queries); ``starts``: each member's first query
+        position (default: its row's start)."""
         bs = self.block_size
         offsets = np.fromiter((offset for _, offset, _ in members), dtype=np.int64, count=len(members))
         counts = np.fromiter((n for _, _, n in members), dtype=np.int64, count=len(members))
-        starts = np.fromiter((rows[i].start_pos for i, _, _ in members), dtype=np.int64, count=len(members))
+        starts = np.asarray(starts if starts is not None else [rows[i].start_pos for i, _, _ in members],
+                            dtype=np.int64)
         needed = (starts + counts - 1) // bs + 1  # blocks up to each row's last query
         tables = np.zeros((len(members), int(needed.max())), dtype=np.int64)
         for r, (i, _, _) in enumerate(members):

@@ -266,6 +266,8 @@ def build_runner(config: Any, device: torch.device | str) -> Any:
         enforce_eager=config.model.enforce_eager,
         cudagraph_capture_sizes=config.model.cudagraph_capture_sizes,
         max_step_tokens=config.scheduler.max_num_batched_tokens,
+        batch_invariant=config.model.batch_invariant,
+        row_tile=config.model.cpu_row_tile,
         max_logit_rows=config.scheduler.slots_per_worker() * (1 + (config.speculative.num_speculative_tokens
                                                                   if config.speculative is not None else 0)),
     )

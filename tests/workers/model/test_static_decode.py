@@ -176,7 +176,7 @@ def test_layers_dispatch_few_operators():
     norms keep a layer far under transformers' ~80 in that forward."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    r = runner(merge_projections=True, probe_cpu_rows=False)  # no CPU row windows: the linears as on a GPU
+    r = runner(merge_projections=True, batch_invariant=False)  # no CPU row windows: the linears as on a GPU
     rows = prefilled(r, 4)
     fixed = StaticDecoder(r, "eager", 16)
     work = decode_work(rows)
@@ -280,7 +280,7 @@ def test_a_llama3_2_1b_shaped_model_gives_transformers_eager_greedy_tokens_throu
         want = [reference.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     del reference
-    r = ModelRunner(path, "cpu", "float32", max_model_len=64, max_rows=2, enforce_eager=False, probe_cpu_rows=False,
+    r = ModelRunner(path, "cpu", "float32", max_model_len=64, max_rows=2, enforce_eager=False, batch_invariant=False,
                     verify=False, kv_cache_memory=64 << 20)
     assert r.static.mode == "compiled" and all(hasattr(layer.self_attn, "qkv_proj") for layer in r.model.model.layers)
     tables = [list(range(0, 4)), list(range(4, 8))]

@@ -1,0 +1,155 @@
+"""A seeded request's bits never depend on its batch, its prompt's chunking, a preemption or a restart:
+by construction (every CPU linear called with one fixed row count, ``workers/cpu/row_tiles.py``; every
+query attended as a row of its own in the native kernel), proven with fake kernels worse than any real
+CPU's, so that no particular machine is needed (none here has AMX):
+
+- a fake linear whose bits change at every row count of a call, and, for the rows past the call's last
+  whole block of 8, with the row's position (as kernels treat a tail);
+- a fake attention whose bits change with how a row's queries were grouped into the call (how many, and
+  which of them), which is what a prompt's chunking changes.
+
+With both, 12 requests alone give their tokens and logprob bits from a batch of 48 that chunks their
+prompts, preempts them and restarts them; with the construction switched off, they do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine.local_engine import LocalEngine
+from processors import SamplingParams
+from workers.cpu.cpu_linear import PrepackedLinear
+from workers.model import paged_attention
+
+TILE = 16
+
+
+def exact_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Each row's product on its own, in float64 (the same bits at any row count), in the input's dtype."""
+    out = (x.double().unsqueeze(1) * weight.double().unsqueeze(0)).sum(-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+def relative(dtype: torch.dtype) -> float:
+    """A nudge that moves the last bits of either dtype, small enough for the load-time attention probe."""
+    return 2.0**-20 if dtype == torch.float32 else 2.0**-8
+
+
+class FakeKernels:
+    """Installs both fakes; ``row_counts`` records every linear call's rows."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.row_counts: set[int] = set()
+        fakes = self
+
+        def compute(self: PrepackedLinear, flat: torch.Tensor) -> torch.Tensor:
+            weight = self.__dict__.get("_dense")
+            if weight is None:
+                weight = self.__dict__["_dense"] = self.packed_weight.to_dense()
+            rows = flat.shape[0]
+            fakes.row_counts.add(rows)
+            out = exact_rows(flat, weight, self.bias).float()
+            eps = relative(flat.dtype)
+            factor = torch.full((rows, 1), 1 + eps * ((rows * 7919) % 5 + 1))  # another at every row count
+            tail = torch.arange(rows) >= rows - rows % 8
+            factor[tail] *= 1 + eps * (torch.arange(rows)[tail].unsqueeze(1) % 3 + 1)
+            return (out * factor).to(flat.dtype)
+
+        real_attention = paged_attention.native_paged_decode
+
+        def attention(q_all, out, k_pool, v_pool, tables, token_index, query_pos, *args, **kwargs):
+            real_attention(q_all, out, k_pool, v_pool, tables, token_index, query_pos, *args, **kwargs)
+            valid = query_pos >= 0
+            count = valid.sum(dim=1, keepdim=True).expand_as(valid)  # the queries of each row of the call
+            which = torch.arange(valid.shape[1]).expand_as(valid)
+            factor = 1 + relative(out.dtype) * ((count * 13 + which * 5) % 4).float()
+            tokens = token_index[valid]
+            out[tokens] = (out[tokens].float() * factor[valid].view(-1, 1, 1)).to(out.dtype)
+
+        monkeypatch.setattr(PrepackedLinear, "compute", compute)
+        monkeypatch.setattr(paged_attention, "native_paged_decode", attention)
+
+
+def prompts() -> list[list[int]]:
+    """48 prompts of 5 to 70 tokens; the first 12 are the ones checked."""
+    return [[(7 * i + 3 * j) % 400 + 5 for j in range(5 + (i * 13) % 66)] for i in range(48)]
+
+
+def params(i: int) -> SamplingParams:
+    seeded = i % 2 == 0
+    return SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, temperature=0.9 if seeded else 0.0,
+                          seed=i if seeded else None, top_p=0.95 if seeded else 1.0)
+
+
+def engine(dtype: str, invariant: bool) -> LocalEngine:
+    """A token budget of 48 (every long prompt is chunked, at other places alone and batched), 48 rows over a
+    KV cache of 40 blocks, a fifth of what they need at their longest (preemption)."""
+    block_bytes = 2 * 2 * 16 * 2 * 16 * (4 if dtype == "float32" else 2)  # K and V, 2 layers, 2 KV heads of 16
+    return LocalEngine({"model": {"tiny": "default", "dtype": dtype, "max_model_len": 128,
+                                  "batch_invariant": invariant, "cpu_row_tile": TILE},
+                        "scheduler": {"max_num_seqs": 48, "max_num_batched_tokens": 48},
+                        "cache": {"block_size": 16, "kv_cache_memory": 40 * block_bytes}})
+
+
+def record(out) -> tuple:
+    return tuple(out.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in d.items()))
+                                       for d in out.outputs[0].logprobs)
+
+
+def batched_with_a_restart(eng: LocalEngine) -> list[tuple]:
+    """The 48 requests together; after 6 steps every running request is re-admitted with the tokens it has
+    (what a lost worker causes: its K/V recomputed), and the engine goes on."""
+    ids = eng.submit_many(prompts(), [params(i) for i in range(48)], final_only=True)
+    for _ in range(6):
+        eng.step()
+    eng.coordinator.requeue_running(eng.executor.worker_ids)
+    eng.executor.reset()
+    outputs = eng.results(ids)
+    return [record(outputs[rid]) for rid in ids[:12]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_alone_equals_batched_chunked_preempted_and_restarted_with_kernels_worse_than_any_cpu(dtype, monkeypatch):
+    fakes = FakeKernels(monkeypatch)
+    eng = engine(dtype, invariant=True)
+    fakes.row_counts.clear()  # the load-time checks called the linears as they are: serving starts here
+    try:
+        batched = batched_with_a_restart(eng)
+        assert eng.coordinator.scheduler.num_preemptions > 0  # the batch of 48 did not fit the KV cache
+        alone = [record(eng.generate([p], params(i))[0]) for i, p in enumerate(prompts()[:12])]
+    finally:
+        eng.shutdown()
+    assert alone == batched
+    assert fakes.row_counts == {TILE}  # every CPU linear call the runner issued had the fixed row count
+
+
+def test_with_the_construction_switched_off_the_fakes_move_the_bits(monkeypatch):
+    """The test above is sensitive: without fixed row counts and per-query attention the same requests
+    do not keep their bits (the fake linear alone already moves them)."""
+    FakeKernels(monkeypatch)
+    eng = engine("float32", invariant=False)
+    try:
+        batched = batched_with_a_restart(eng)
+        alone = [record(eng.generate([p], params(i))[0]) for i, p in enumerate(prompts()[:12])]
+    finally:
+        eng.shutdown()
+    assert sum(a != b for a, b in zip(alone, batched)) >= 6
+
+
+def test_attention_grouped_by_chunk_would_move_the_bits(monkeypatch):
+    """With the linears fixed but a row's queries attended in groups (as a prompt's chunk), the fake attention
+    alone moves the bits: attending every query as its own row is part of the construction."""
+    import workers.model.model_runner as model_runner
+
+    FakeKernels(monkeypatch)
+    monkeypatch.setattr(model_runner, "INVARIANT_QUERIES_PER_ROW", 16)
+    eng = engine("float32", invariant=True)
+    try:
+        batched = batched_with_a_restart(eng)
+        alone = [record(eng.generate([p], params(i))[0]) for i, p in enumerate(prompts()[:12])]
+    finally:
+        eng.shutdown()
+    assert any(a != b for a, b in zip(alone, batched))
