@@ -64,7 +64,8 @@ class Coordinator:
         self.scheduler = Scheduler(config.max_num_seqs, config.num_workers, config.rows_per_worker,
                                    kv.max_num_batched_tokens, self.kv, model.max_model_len,
                                    admits=lambda request: quarantine.admits(request.group.request_id),
-                                   on_release=self._drafts.release if self._drafts is not None else None)
+                                   on_release=self._drafts.release if self._drafts is not None else None,
+                                   step_multiple=config.step_multiple)
         self.batch = PersistentBatch(config.max_num_seqs)
         self.kv_note: str | None = None  # where the workers' KV budget came from (cluster.memory)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id

@@ -68,3 +68,6 @@ class CoordinatorConfig:
     grammar_compile_max_memory: int = 2 << 30  # structured_outputs.compile_max_memory
     max_logprobs: int = 20
     group_by_prefix: bool = True  # input.group_by_prefix: one submitted batch queues by shared prompt prefix
+    # Tokens a step is made a multiple of where it can be (the CPU's fixed linear row count: a step of 64
+    # decode rows plus a prompt's 45 tokens would pad 20 rows; ``Scheduler``). 1: any count.
+    step_multiple: int = 1

@@ -32,6 +32,16 @@ def coordinator_inputs(config: Any, tokenizer: Any = None) -> tuple[Any, ModelIn
     return tokenizer, ModelInfo.of(facts, tokenizer)
 
 
+def step_multiple(config: Any) -> int:
+    """The row count every CPU linear is called with (``model.cpu_row_tile``) where a single CPU worker computes
+    every token of a step: steps that are a multiple of it pad nothing. 1 elsewhere (GPUs; several workers,
+    whose shares of a step are their own)."""
+    model = config.model
+    cpu = config.cluster.gpus_per_worker == 0 and model.simulate is None
+    single = config.cluster.num_workers == 1 and model.tensor_parallel_size == 1
+    return model.cpu_row_tile if cpu and single and model.batch_invariant else 1
+
+
 def coordinator_from_config(config: Any, num_blocks: int, block_size: int,
                             inputs: tuple[Any, ModelInfo] | None = None) -> Coordinator:
     """Build from a resolved ``RaysampleConfig`` (``cluster.config.resolve``) and the KV blocks each worker
@@ -58,6 +68,7 @@ def coordinator_from_config(config: Any, num_blocks: int, block_size: int,
         grammar_cache_size=config.structured_outputs.grammar_cache_size,
         grammar_compile_timeout_s=config.structured_outputs.compile_timeout_s,
         grammar_compile_max_memory=config.structured_outputs.compile_max_memory,
+        step_multiple=step_multiple(config),
     )
     spec = config.speculative
     if spec is None:

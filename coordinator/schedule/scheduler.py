@@ -87,9 +87,11 @@ class StepSchedule:
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_workers: int, rows_per_worker: int, max_num_batched_tokens: int,
                  kv: KVCacheManager, max_model_len: int = 1 << 30, admits: Callable[[Request], bool] | None = None,
-                 on_release: Callable[[int], None] | None = None) -> None:
+                 on_release: Callable[[int], None] | None = None, step_multiple: int = 1) -> None:
         """``admits``: which waiting requests may be admitted now (the coordinator's quarantine; None: all);
-        ``on_release``: told of each slot freed (``SlotTable``)."""
+        ``on_release``: told of each slot freed (``SlotTable``); ``step_multiple``: make a step's tokens a
+        multiple of this where prompt tokens can fill it (``_aligned_budget``)."""
+        self.step_multiple = step_multiple
         self.max_num_seqs = max_num_seqs
         self.rows_per_worker = rows_per_worker
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -184,6 +186,8 @@ class Scheduler:
             for slot in running[changing].tolist():
                 self._extend(table.requests[slot], out)
         budget -= len(active)
+        if self.step_multiple > 1:
+            budget = self._aligned_budget(active, out, budget)
         # 2. prefills extend their chunk.
         remaining = table.total[active] - table.computed[active] - out.num_tokens[active]
         for slot in active[remaining > 0].tolist():
@@ -254,6 +258,28 @@ class Scheduler:
             rows += 1
         out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
         return out
+
+    def _aligned_budget(self, active: np.ndarray, out: StepSchedule, budget: int) -> int:
+        """The prompt tokens this step may add so that it ends on a multiple of ``step_multiple``: on CPU every
+        linear computes that many rows a call, and the rows past the last multiple would be padding. What the
+        step can add (running prompts' rest, and the prompts of waiting requests that fit the free rows) is
+        counted first; the step grows to the largest multiple it can fill, or not at all (its prompts then go on
+        a token a step, with the rows' one token each). Chunking moves no bits here (every query is attended on
+        its own, every linear at one row count), so only the throughput changes: padding is wasted compute."""
+        table = self.table
+        used = int(out.num_tokens[active].sum())
+        rest = int((table.total[active] - table.computed[active] - out.num_tokens[active]).clip(min=0).sum())
+        free_rows = self.max_num_seqs - len(active)
+        for request in self.waiting:
+            if free_rows <= 0 or rest >= budget:
+                break
+            rest += request.num_tokens - (request.kv.num_computed if request.kv is not None else 0)
+            free_rows -= 1
+        reach = used + min(rest, budget)
+        if reach <= self.step_multiple and used == 0:
+            return budget  # nothing running: a lone prompt is not held back
+        target = reach // self.step_multiple * self.step_multiple
+        return max(0, min(budget, target - used))
 
     def _take_drafts(self, slots: np.ndarray, counts: np.ndarray, flat: np.ndarray, budget: int,
                      out: StepSchedule) -> int:

@@ -142,19 +142,21 @@ def fix_row_counts(model: nn.Module, tile: int = DEFAULT_TILE, store: Path | Non
         compute = kernel_of(module)
         if compute is None:
             continue
+        tile_here = tile
         weight = module.weight if type(module) is nn.Linear else module.packed_weight
         if weight.device.type != "cpu":
             continue
         dtype = module.weight.dtype if type(module) is nn.Linear else module.weight_dtype
-        shape = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype))
+        shape = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype),
+                 tile_here)
         if shape not in verdicts:
-            verdicts[shape] = _checked(store, _verdict_key(shape, tile),
-                                       lambda: rows_independent(compute, module.in_features, dtype, tile))
+            verdicts[shape] = _checked(store, _verdict_key(shape, tile_here),
+                                       lambda: rows_independent(compute, module.in_features, dtype, tile_here))
             if not verdicts[shape]:
                 logger.warning("linear %s x %s (%s): a row's bits depend on its place in a call of %d rows on this "
-                               "CPU; it runs one real row per call (slow)", shape[1], shape[2], dtype, tile)
-        _install(module, compute, tile, one_per_call=not verdicts[shape])
-        installed[name] = tile if verdicts[shape] else 1
+                               "CPU; it runs one real row per call (slow)", shape[1], shape[2], dtype, tile_here)
+        _install(module, compute, tile_here, one_per_call=not verdicts[shape])
+        installed[name] = tile_here if verdicts[shape] else 1
     return installed
 
 

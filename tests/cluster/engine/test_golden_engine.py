@@ -19,4 +19,7 @@ def test_engine_reproduces_golden_outputs(name, workers, extra):
     assert got["outputs"].keys() == want["outputs"].keys()
     for rid, expected in want["outputs"].items():
         assert_same_record(got["outputs"][rid], expected, rid)
-    assert got["steps"] == want["steps"]  # the same schedule: preemptions, prefix hits and aborts land alike
+    # The same schedule: preemptions, prefix hits and aborts land alike. One CPU worker's steps are made
+    # multiples of its linears' row count since issue 80 (w1: 131 steps before, 157 after; the outputs, recorded
+    # before, are unchanged: chunking moves no bits).
+    assert got["steps"] == want["steps"]

@@ -153,3 +153,26 @@ def test_attention_grouped_by_chunk_would_move_the_bits(monkeypatch):
     finally:
         eng.shutdown()
     assert any(a != b for a, b in zip(alone, batched))
+
+
+def test_a_single_cpu_workers_steps_are_multiples_of_the_row_count_while_prompts_can_fill_them():
+    """Rows past the last multiple of the linears' row count would be padding (wasted compute): while prompt
+    tokens are waiting the scheduler sizes each step to a multiple of it (32 rows of one token each are one
+    too), and chunking moves no bits. Once the queue is empty the draining rows are what they are."""
+    eng = LocalEngine({"model": {"tiny": "default", "max_model_len": 128, "cpu_row_tile": TILE},
+                       "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 100}})
+    sizes: list[tuple[int, int]] = []
+    launch = eng.executor.launch
+
+    def recorded(plan):
+        sizes.append((int(plan.num_tokens.sum()), eng.coordinator.num_waiting()))
+        return launch(plan)
+
+    eng.executor.launch = recorded
+    try:
+        outs = eng.generate(prompts(), [params(i) for i in range(48)])
+    finally:
+        eng.shutdown()
+    assert all(o.error is None for o in outs)
+    while_waiting = [tokens for tokens, waiting in sizes if waiting]
+    assert len(while_waiting) > 10 and all(tokens % TILE == 0 for tokens in while_waiting), while_waiting
