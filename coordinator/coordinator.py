@@ -47,6 +47,10 @@ from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offs
 
 __all__ = ["Coordinator", "CoordinatorConfig", "KVSettings", "ModelInfo", "EngineMetrics"]
 
+# A request that asks for prompt logprobs has a row of float32 logits for each prompt token a step computes:
+# its chunks are cut so that a step holds at most this many bytes of them (vLLM had to bound the same, #44886).
+PROMPT_LOGITS_BYTES = 64 << 20
+
 
 class Coordinator:
     def __init__(self, tokenizer: Any, model: ModelInfo, config: CoordinatorConfig,
@@ -65,7 +69,8 @@ class Coordinator:
                                    kv.max_num_batched_tokens, self.kv, model.max_model_len,
                                    admits=lambda request: quarantine.admits(request.group.request_id),
                                    on_release=self._drafts.release if self._drafts is not None else None,
-                                   step_multiple=config.step_multiple)
+                                   step_multiple=config.step_multiple,
+                                   prompt_logprob_chunk=max(16, PROMPT_LOGITS_BYTES // (4 * model.vocab_size)))
         self.batch = PersistentBatch(config.max_num_seqs)
         self.kv_note: str | None = None  # where the workers' KV budget came from (cluster.memory)
         self.requests: dict[str, RequestGroup] = {}  # by the caller's request id
@@ -113,6 +118,8 @@ class Coordinator:
         else:
             error = self.admission.error(prompt_ids, params, request_id)
         group = RequestGroup(request_id, final_only=final_only)
+        if error is None and params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_ids)
         n = params.n if error is None else 1
         for index in range(n):
             child_params = params if n == 1 else params.child(index)

@@ -85,6 +85,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    # vLLM's: None first, then each prompt token's {token: Logprob} (the token and the top prompt_logprobs
+    # others), once the whole prompt has been computed; None without prompt_logprobs.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     # The error came from the engine (no worker left, a step failure no request alone explains),
     # not from the request: running it again may succeed, so a resumed job retries it.
     retryable: bool = False
@@ -137,9 +140,22 @@ class RequestGroup:
     # as vLLM's offline ``LLM.generate`` asks for FINAL_ONLY.
     final_only: bool = False
 
+    # With prompt logprobs: each prompt position's, as the workers computed them (index 0 stays None: the
+    # first token has no context); filled once however often a position is computed (chunks, recomputes).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    def take_prompt_logprobs(self, first: int, positions: list[TokenLogprobs]) -> None:
+        """Positions ``first``, ``first + 1``, ... of the prompt, from one worker's step."""
+        known = self.prompt_logprobs
+        if known is None:
+            return
+        for index, entry in enumerate(positions, start=first):
+            if 0 < index < len(known) and known[index] is None:
+                known[index] = entry
 
 
 @dataclass
@@ -182,9 +198,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def cache_salt(self, prefix_caching: bool) -> bytes | None:
-        """Namespace of its blocks in the prefix index: global, its siblings only, or none."""
-        if prefix_caching:
+        """Namespace of its blocks in the prefix index: global, its siblings only, or none. A request that
+        asks for prompt logprobs computes its whole prompt (as vLLM: a cached prefix has no logits)."""
+        if prefix_caching and self.params.prompt_logprobs is None:
             return b""
+        if self.params.prompt_logprobs is not None and self.group is not None:
+            return b"group:" + self.group.request_id.encode()
         if self.group is not None and len(self.group.children) > 1:
             return b"group:" + self.group.request_id.encode()
         return None

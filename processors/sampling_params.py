@@ -44,14 +44,13 @@ UNSUPPORTED_FIELDS = {
     "best_of": "only n completions are generated, not best_of > n candidates ranked by logprob",
     "use_beam_search": "beam search is not implemented; use n > 1 with sampling",
     "beam_width": "beam search is not implemented; use n > 1 with sampling",
-    "prompt_logprobs": "prompt logprobs are not computed (logprobs gives the generated tokens' logprobs)",
     "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is an error",
     "logits_processors": "per-request callables do not cross processes; configure processors by class name",
     "output_kind": "outputs are cumulative with per-output deltas (new_text, new_token_ids)",
 }
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "use_beam_search": (None, False), "beam_width": (None, 1),
-    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
     "output_kind": (None,),
 }
 
@@ -108,6 +107,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Each prompt token's logprob and the top ``prompt_logprobs`` others at its position (-1: the whole
+    # vocabulary, where model.max_logprobs allows it), as vLLM: RequestOutput.prompt_logprobs.
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -122,7 +124,6 @@ class SamplingParams:
     best_of: int | None = field(default=None, repr=False, compare=False)
     use_beam_search: bool | None = field(default=None, repr=False, compare=False)
     beam_width: int | None = field(default=None, repr=False, compare=False)
-    prompt_logprobs: int | None = field(default=None, repr=False, compare=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False, compare=False)
     logits_processors: Any = field(default=None, repr=False, compare=False)
     output_kind: Any = field(default=None, repr=False, compare=False)
@@ -218,9 +219,10 @@ class SamplingParams:
             raise _fail("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise _fail("min_tokens", f"must be less than or equal to max_tokens={max_tokens}, got {self.min_tokens}.")
-        logprobs = integer("logprobs", optional=True)
-        if logprobs is not None and logprobs < 0 and logprobs != -1:
-            raise _fail("logprobs", f"must be non-negative or -1, got {logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = integer(name, optional=True)
+            if value is not None and value < 0 and value != -1:
+                raise _fail(name, f"must be non-negative or -1, got {value}.")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _fail("stop_token_ids", f"must contain only non-negative integers, got {self.stop_token_ids}.")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -122,6 +122,9 @@ class StepResult:
     counts: np.ndarray | None = None
     # Logprobs of each sampled token, by batch row, for the rows that asked.
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # Rows whose request asks for prompt logprobs, by batch row: (the index of the first prompt token covered,
+    # each covered token's logprob, rank and the top others), from the raw logits of the step's chunk.
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Rows that could not be sampled (NaN, +inf, every token masked), by batch row: why. Their
     # request fails; their tokens are placeholders.
     errors: dict[int, str] = field(default_factory=dict)

@@ -7,7 +7,9 @@
 Input rows carry one of ``prompt``, ``messages`` or ``prompt_token_ids``, and optionally
 ``sampling_params`` (vLLM's fields), ``extra_args`` (or ``vllm_xargs``) and ``id``. Output
 rows are the input rows plus ``generated_text``, ``generated_token_ids``, ``finish_reason``,
-``num_generated_tokens``, ``num_input_tokens`` and ``error``. A row that cannot run gets its
+``num_generated_tokens``, ``num_input_tokens``, ``prompt_logprobs`` (null unless the row's sampling_params
+ask for them: then null for the first prompt token, and for each other its ``token_id``, ``logprob``, ``rank``
+and the most likely ``top_token_ids`` with their ``top_logprobs``) and ``error``. A row that cannot run gets its
 reason in ``error`` and the dataset goes on; the rules are the JSONL job's, with one more that
 Arrow imposes: a null field is an unset one (Arrow gives every row of a column every field).
 
@@ -37,7 +39,7 @@ from cluster.entrypoints.job_lines import BadLine, engine_request_id, id_key, pa
 Row = dict[str, Any]
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_generated_tokens",
-                  "num_input_tokens", "error")
+                  "num_input_tokens", "prompt_logprobs", "error")
 INPUT_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
                 "extra_args", "vllm_xargs")
 DEFAULT_BATCH_SIZE = 64
@@ -123,6 +125,7 @@ class EngineStage:
         # that id, as it would in another batch, so no row's output depends on which rows share its batch.
         rounds: list[list[tuple[int, str, Any, Any]]] = []
         seen: dict[str, int] = {}
+        params_of: dict[int, Any] = {}
         for i, row in enumerate(rows):
             try:
                 rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
@@ -132,6 +135,7 @@ class EngineStage:
             except Exception as exc:  # noqa: BLE001 - one odd row must not fail the dataset
                 outputs[i] = {"error": f"{type(exc).__name__}: {exc}", "finish_reason": "error"}
                 continue
+            params_of[i] = params
             k = seen[rid] = seen.get(rid, -1) + 1
             if k == len(rounds):
                 rounds.append([])
@@ -149,12 +153,27 @@ class EngineStage:
                     "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
                     "num_generated_tokens": len(completion.token_ids),
                     "num_input_tokens": len(out.prompt_token_ids),
+                    "prompt_logprobs": prompt_logprob_rows(out, params_of[i].prompt_logprobs),
                     "error": out.error,
                 }
         result = with_output_columns(batch, outputs)
         if self.postprocess is None:
             return result
         return typed_like(pa.Table.from_pylist([self.postprocess(row) for row in result.to_pylist()]), result.schema)
+
+
+def prompt_logprob_rows(out: Any, num_top: int | None) -> list[Row | None] | None:
+    """The ``prompt_logprobs`` column of one row: None unless asked (and computed)."""
+    if num_top is None or out.prompt_logprobs is None:
+        return None
+    from coordinator.request import top_of
+
+    rows: list[Row | None] = [None]
+    for token, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        top = top_of(position, token, num_top)[:num_top] if num_top else []
+        rows.append({"token_id": token, "logprob": position[token].logprob, "rank": position[token].rank,
+                     "top_token_ids": [t for t, _ in top], "top_logprobs": [lp.logprob for _, lp in top]})
+    return rows
 
 
 def _shut_down(engine: Any) -> None:
@@ -168,9 +187,11 @@ def with_output_columns(batch: Any, outputs: list[Row]) -> Any:
     """The batch with the output columns (typed, so blocks of all-error rows still concatenate)."""
     import pyarrow as pa
 
+    position = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("rank", pa.int64()),
+                          ("top_token_ids", pa.list_(pa.int64())), ("top_logprobs", pa.list_(pa.float64()))])
     types = {"generated_text": pa.string(), "generated_token_ids": pa.list_(pa.int64()),
              "finish_reason": pa.string(), "num_generated_tokens": pa.int64(), "num_input_tokens": pa.int64(),
-             "error": pa.string()}
+             "prompt_logprobs": pa.list_(position), "error": pa.string()}
     for name in OUTPUT_COLUMNS:
         if name in batch.column_names:
             batch = batch.drop_columns([name])

@@ -64,7 +64,7 @@ class GenerateFormat:
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
         rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer, self.limits())
-        return rid, (rid, params.logprobs), prompt, params
+        return rid, (rid, params.logprobs, params.prompt_logprobs), prompt, params
 
     def peek(self, line: str) -> Any:
         """The line's id if it has a usable one; anything else (bad JSON, too deep) is ``parse``'s to report."""
@@ -76,8 +76,8 @@ class GenerateFormat:
         return rid if usable_id(rid) else None
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:
-        rid, num_logprobs = context
-        return result_record(rid, out, num_logprobs)
+        rid, num_logprobs, num_prompt_logprobs = context
+        return result_record(rid, out, num_logprobs, num_prompt_logprobs)
 
     def error(self, rid: Any, line_no: int, message: str, status_code: int = 400) -> dict[str, Any]:
         return error_record(rid, line_no, message)

@@ -32,10 +32,26 @@ def completion_record(completion: CompletionOutput, num_logprobs: int | None = N
     return record
 
 
-def result_record(rid: Any, out: RequestOutput, num_logprobs: int | None = None) -> dict[str, Any]:
+def prompt_logprobs_record(out: RequestOutput, num_top: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt logprobs as JSON: null for the first token, then each prompt token's logprob and rank and
+    the ``num_top`` most likely ones (``[token, logprob]``), the shape of a completion's ``logprobs``."""
+    if out.prompt_logprobs is None:
+        return None
+    record: list[dict[str, Any] | None] = [None]
+    for token, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        top = top_of(position, token, num_top)[:num_top] if num_top else []
+        record.append({"token_id": token, "logprob": position[token].logprob, "rank": position[token].rank,
+                       "top": [[t, lp.logprob] for t, lp in top]})
+    return record
+
+
+def result_record(rid: Any, out: RequestOutput, num_logprobs: int | None = None,
+                  num_prompt_logprobs: int | None = None) -> dict[str, Any]:
     """The first completion's fields at the top level; with n > 1 every completion under ``outputs``."""
     record: dict[str, Any] = {"id": rid, **completion_record(out.outputs[0], num_logprobs), "error": out.error,
                               "prompt_tokens": len(out.prompt_token_ids)}
+    if out.prompt_logprobs is not None:
+        record["prompt_logprobs"] = prompt_logprobs_record(out, num_prompt_logprobs or 0)
     if len(out.outputs) > 1:
         record["outputs"] = [{"index": c.index, **completion_record(c, num_logprobs)} for c in out.outputs]
     end = out.finished_time or time.monotonic()

@@ -54,6 +54,8 @@ class BatchRequest:
     params: SamplingParams
     top_logprobs: int | None  # chat: logprobs=true asks for these alternatives per token
     model: str | None
+    echo: bool = False  # completions: the prompt comes back before the completion, logprobs included
+    echo_only: bool = False  # echo with max_tokens 0 (scoring a prompt): the prompt alone comes back
 
 
 def parse_batch_line(line: str, tokenizer: Any, defaults: dict[str, Any],
@@ -92,7 +94,8 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
         if body.get(name) not in (None, [], False):
             raise ValueError(f"body.{name}: {why}")
     allowed = _DIRECT | _IGNORED | {"stream", "response_format", "vllm_xargs", "logit_bias", "logprobs"} | set(_REFUSED)
-    allowed |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"} if chat else {"prompt", "echo"}
+    allowed |= ({"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"} if chat
+                else {"prompt", "echo", "prompt_logprobs"})
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ValueError(f"body has unknown field(s) {unknown}")
@@ -116,10 +119,17 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
                                               max_chars=limits.max_prompt_chars if limits else None,
                                               time_limit_s=RENDER_LIMIT_S)
     else:
-        if body.get("echo"):
-            raise ValueError("body.echo: echoing the prompt is not supported")
         if body.get("logprobs") is not None:
             params["logprobs"] = body["logprobs"]
+        # vLLM's: echo with logprobs asks for the prompt's logprobs too (prompt_logprobs, unless given), and
+        # max_tokens 0 scores the prompt alone (one token is generated and left out).
+        echo = bool(body.get("echo"))
+        params["prompt_logprobs"] = body.get("prompt_logprobs")
+        if params["prompt_logprobs"] is None and echo:
+            params["prompt_logprobs"] = body.get("logprobs")
+        if echo and params.get("max_tokens") == 0:
+            params["max_tokens"] = 1
+            echo = "only"
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             # Several prompts, as OpenAI and vLLM take them: choices come prompt by prompt, n each.
@@ -134,7 +144,9 @@ def _parse(record: dict[str, Any], custom_id: str, tokenizer: Any, defaults: dic
     response_format = body.get("response_format")
     if response_format is not None:
         params["structured_outputs"] = _response_format(response_format)
-    return BatchRequest(custom_id, url, prompt, SamplingParams.from_dict(params), top_logprobs, body.get("model"))
+    echoed = {} if chat else {"echo": bool(echo), "echo_only": echo == "only"}
+    return BatchRequest(custom_id, url, prompt, SamplingParams.from_dict(params), top_logprobs, body.get("model"),
+                        **echoed)
 
 
 def _check_fan_out(num_prompts: int, n: Any, limits: InputLimits | None) -> None:
@@ -189,21 +201,63 @@ def _chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any]
     return {"content": content}
 
 
-def _completion_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any] | None:
-    if completion.logprobs is None:
+def _completion_logprobs(completion: CompletionOutput | None, num_top: int,
+                         prompt: RequestOutput | None = None) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs; ``prompt``: echo, the prompt's positions first (the first one without a
+    logprob, as vLLM leaves it). ``completion`` None: the prompt alone (echo with max_tokens 0)."""
+    if (completion is not None and completion.logprobs is None) or (prompt is not None and prompt.prompt_logprobs is None):
         return None
-    positions = _positions(completion, num_top)
-    tokens = [sampled.decoded_token or "" for _, sampled, _ in positions]
+    positions: list[tuple[str, float | None, dict[str, float] | None]] = []
+    if prompt is not None:
+        for token, position in zip(prompt.prompt_token_ids, prompt.prompt_logprobs):
+            if position is None:
+                positions.append((_token_text(prompt, token), None, None))
+            else:
+                top = top_of(position, token, num_top)[:num_top] if num_top else []
+                positions.append((position[token].decoded_token or "", _finite(position[token].logprob),
+                                  {lp.decoded_token or "": _finite(lp.logprob) for _, lp in top}))
+    if completion is not None:
+        positions += [(sampled.decoded_token or "", _finite(sampled.logprob),
+                       {lp.decoded_token or "": _finite(lp.logprob) for _, lp in top})
+                      for _, sampled, top in _positions(completion, num_top)]
     offsets, at = [], 0
-    for text in tokens:
+    for text, _, _ in positions:
         offsets.append(at)
         at += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [sampled.logprob for _, sampled, _ in positions],
-        "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top} for _, _, top in positions],
-        "text_offset": offsets,
-    }
+    return {"tokens": [p[0] for p in positions], "token_logprobs": [p[1] for p in positions],
+            "top_logprobs": [p[2] for p in positions], "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: OpenAI's (and vLLM's) stand-in."""
+    return max(logprob, -9999.0)
+
+
+def _token_text(out: RequestOutput, token: int) -> str:
+    """The first prompt token's text, where no position of the prompt logprobs decoded it."""
+    for position in out.prompt_logprobs or []:
+        if position is not None and token in position:
+            return position[token].decoded_token or ""
+    return ""
+
+
+def _prompt_text(out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    texts = [_token_text(out, out.prompt_token_ids[0])] if out.prompt_token_ids else []
+    texts += [position[token].decoded_token or "" for token, position in
+              zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [None])[1:]) if position is not None]
+    return "".join(texts)
+
+
+def _prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field of a choice: per position, token id -> logprob, rank, decoded token."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if position is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                                     "decoded_token": lp.decoded_token}
+                                           for t, lp in position.items()}
+            for position in out.prompt_logprobs]
 
 
 def _stable_id(prefix: str, custom_id: str) -> str:
@@ -228,8 +282,17 @@ def response_line(request: BatchRequest, out: RequestOutput | list[RequestOutput
                                 "logprobs": _chat_logprobs(c, num_top), "finish_reason": reason,
                                 "stop_reason": c.stop_reason})
             else:
-                choices.append({"index": index, "text": c.text, "logprobs": _completion_logprobs(c, num_top),
-                                "finish_reason": reason, "stop_reason": c.stop_reason})
+                text = c.text
+                logprobs = _completion_logprobs(c, num_top) if request.params.logprobs is not None else None
+                if request.echo:
+                    text = _prompt_text(one) + ("" if request.echo_only else c.text)
+                    if request.params.logprobs is not None:
+                        logprobs = _completion_logprobs(None if request.echo_only else c, num_top, prompt=one)
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": c.stop_reason}
+                if request.params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(one)
+                choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for one in outs for c in one.outputs)
     prompt_tokens = sum(len(one.prompt_token_ids) for one in outs)
     body = {

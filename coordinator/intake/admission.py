@@ -62,6 +62,11 @@ class Admission:
         if params.logprobs is not None and params.logprobs > cap:
             return (f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {cap} "
                     "(model.max_logprobs, at most the vocabulary; logprobs=-1 asks for all of it)")
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = vocab
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cap:
+            return (f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater than max allowed: "
+                    f"{cap} (model.max_logprobs, at most the vocabulary; prompt_logprobs=-1 asks for all of it)")
         if params.thinking_token_budget is not None and not config.reasoning_enabled:
             return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
         if params.n > config.rows_per_worker:

@@ -82,6 +82,11 @@ class Acceptance:
         generated_before = self.metrics.generated_tokens
         computed = plan.start + plan.num_tokens
         live = ~table.done[slots]
+        for result in results:  # prompt logprobs of the chunks computed, kept by the request (once per position)
+            for row, (first, positions) in result.prompt_logprobs.items():
+                group = table.requests[slots[row]].group
+                if group is not None:
+                    group.take_prompt_logprobs(first, positions)
         for result in results:  # rows that could not be sampled: their request fails, no one else's
             for row, message in result.errors.items():
                 if live[row]:

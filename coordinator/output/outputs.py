@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.output.detokenizer import IncrementalDetokenizer
 from coordinator.request import CompletionOutput, Logprob, PositionLogprobs, Request, RequestGroup, RequestOutput
+from workers.wire import TokenLogprobs
 
 
 class OutputBuilder:
@@ -54,11 +55,7 @@ class OutputBuilder:
         done = request.logprob_dicts
         del done[len(request.logprobs):]
         for lp in request.logprobs[len(done):]:
-            position = {lp.sampled_token_id: Logprob(lp.sampled_logprob, lp.sampled_rank,
-                                                     self._token_text(lp.sampled_token_id))}
-            for rank, (token, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
-                position[token] = Logprob(value, rank, self._token_text(token))
-            done.append(position)
+            done.append(self._position(lp))
         return list(done)
 
     def _token_text(self, token: int) -> str:
@@ -90,6 +87,20 @@ class OutputBuilder:
             new_token_ids=request.output_token_ids[sent_tokens:],
         )
 
+    def _prompt_logprobs(self, group: RequestGroup) -> list[PositionLogprobs | None] | None:
+        """vLLM's shape once every prompt position is known: None first, then {the prompt token, the top ones}."""
+        known = group.prompt_logprobs
+        if known is None or any(entry is None for entry in known[1:]):
+            return None
+        return [None] + [self._position(entry) for entry in known[1:]]
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        position = {lp.sampled_token_id: Logprob(lp.sampled_logprob, lp.sampled_rank,
+                                                 self._token_text(lp.sampled_token_id))}
+        for rank, (token, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            position[token] = Logprob(value, rank, self._token_text(token))
+        return position
+
     def _output(self, group: RequestGroup) -> RequestOutput:
         first = group.children[0]
         errors = [c.error for c in group.children if c.error]
@@ -101,6 +112,7 @@ class OutputBuilder:
             outputs=[self._completion(c) for c in group.children],
             finished=group.finished,
             error=errors[0] if errors else None,
+            prompt_logprobs=self._prompt_logprobs(group),
             retryable=bool(errors) and all(c.retryable for c in group.children if c.error),
             refused=first.refused,
             arrival_time=first.arrival_time,

@@ -87,11 +87,15 @@ class StepSchedule:
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_workers: int, rows_per_worker: int, max_num_batched_tokens: int,
                  kv: KVCacheManager, max_model_len: int = 1 << 30, admits: Callable[[Request], bool] | None = None,
-                 on_release: Callable[[int], None] | None = None, step_multiple: int = 1) -> None:
+                 on_release: Callable[[int], None] | None = None, step_multiple: int = 1,
+                 prompt_logprob_chunk: int = 1 << 30) -> None:
         """``admits``: which waiting requests may be admitted now (the coordinator's quarantine; None: all);
         ``on_release``: told of each slot freed (``SlotTable``); ``step_multiple``: make a step's tokens a
-        multiple of this where prompt tokens can fill it (``_aligned_budget``)."""
+        multiple of this where prompt tokens can fill it (``_aligned_budget``); ``prompt_logprob_chunk``: the most
+        prompt tokens a step computes of a request that asks for prompt logprobs (each gives a row of logits
+        over the vocabulary: a 4k-token prompt never holds 4k of them at once)."""
         self.step_multiple = step_multiple
+        self.prompt_logprob_chunk = prompt_logprob_chunk
         self.max_num_seqs = max_num_seqs
         self.rows_per_worker = rows_per_worker
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -195,7 +199,10 @@ class Scheduler:
                 break
             request = table.requests[slot]
             table.store(slot)
-            want = min(int(table.total[slot] - table.computed[slot] - out.num_tokens[slot]), budget)
+            want = min(int(table.total[slot] - table.computed[slot] - out.num_tokens[slot]), budget,
+                       self._chunk_cap(request) - int(out.num_tokens[slot]))
+            if want <= 0:
+                continue
             extra = self._affordable(request, want, extra_after=int(out.num_tokens[slot]))
             if extra:
                 out.num_tokens[slot] += extra
@@ -240,7 +247,8 @@ class Scheduler:
                 request.kv = self.kv.start(owner, request.all_token_ids(), salt, keys)
                 request.kv_owner = owner
             request.owner = owner
-            chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget))
+            chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget,
+                                                  self._chunk_cap(request)))
             if chunk == 0:
                 request.owner = None
                 break  # no blocks: wait for running requests to finish
@@ -259,6 +267,12 @@ class Scheduler:
         out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
         return out
 
+    def _chunk_cap(self, request: Request) -> int:
+        """The most tokens a step computes of this request: bounded while its prompt gives logits."""
+        if request.params.prompt_logprobs is None:
+            return 1 << 30
+        return self.prompt_logprob_chunk
+
     def _aligned_budget(self, active: np.ndarray, out: StepSchedule, budget: int) -> int:
         """The prompt tokens this step may add so that it ends on a multiple of ``step_multiple``: on CPU every
         linear computes that many rows a call, and the rows past the last multiple would be padding. What the
@@ -276,8 +290,8 @@ class Scheduler:
             rest += request.num_tokens - (request.kv.num_computed if request.kv is not None else 0)
             free_rows -= 1
         reach = used + min(rest, budget)
-        if reach <= self.step_multiple and used == 0:
-            return budget  # nothing running: a lone prompt is not held back
+        if reach <= self.step_multiple:
+            return budget  # within one call of the row count, which is padded anyway: fill it
         target = reach // self.step_multiple * self.step_multiple
         return max(0, min(budget, target - used))
 

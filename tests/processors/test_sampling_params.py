@@ -37,8 +37,8 @@ from processors import SamplingParams, SamplingType
         ({"seed": 1.5}, "seed must be an integer"),
         ({"extra_args": [1]}, "extra_args must be a mapping"),
         # vLLM's fields raysample does not implement: a ValueError naming them, as the dict path gives
-        ({"prompt_logprobs": 1}, "^prompt_logprobs is not supported: prompt logprobs are not computed"),
-        ({"prompt_logprobs": 0}, "^prompt_logprobs is not supported"),
+        ({"prompt_logprobs": -2}, "^prompt_logprobs must be non-negative or -1"),
+        ({"prompt_logprobs": 1.5}, "^prompt_logprobs must be an integer"),
         ({"best_of": 3, "n": 2, "temperature": 1.0}, "^best_of is not supported"),
         ({"truncate_prompt_tokens": 8}, "^truncate_prompt_tokens is not supported: prompts are never truncated"),
         ({"logits_processors": [print]}, "^logits_processors is not supported: per-request callables"),
@@ -88,11 +88,11 @@ def test_pickle_and_dict_round_trip():
 
 
 def test_vllms_unsupported_fields_at_their_defaults_pass_and_stay_out_of_the_dict():
-    p = SamplingParams(prompt_logprobs=None, best_of=2, n=2, temperature=1.0, logits_processors=[])
+    p = SamplingParams(truncate_prompt_tokens=None, best_of=2, n=2, temperature=1.0, logits_processors=[])
     assert p == SamplingParams(n=2, temperature=1.0) and p.to_dict() == {"n": 2}
     assert p.best_of is None and p.logits_processors is None
-    with pytest.raises(ValueError, match="^sampling_params.prompt_logprobs is not supported"):
-        SamplingParams.from_dict({"prompt_logprobs": 2})
+    with pytest.raises(ValueError, match="^sampling_params.truncate_prompt_tokens is not supported"):
+        SamplingParams.from_dict({"truncate_prompt_tokens": 2})
 
 
 def test_from_dict_rejects_unknown_fields():

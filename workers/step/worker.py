@@ -25,6 +25,7 @@ from workers.model.model_runner import ModelRunner
 from workers.model.static_decode import decode_mode
 from workers.model.tensor_parallel import Followers, LeadRunner
 from workers.row_work import RowWork
+from workers.sample.prompt_logprobs import prompt_logprobs
 from workers.sample.rejection import verify_drafts
 from workers.sample.sampler import Sampler
 from workers.step.ahead import Forwards, Logits, guess_next
@@ -164,8 +165,10 @@ class Worker:
             row = self.mirror.row(index)
             row_drafts = drafts[index] if drafts is not None else []
             length = len(row.prompt_token_ids) + len(row.output_token_ids)
+            # A prompt chunk of a request asking for prompt logprobs: the logits of every position it computes.
+            prompt_logits = row.params.prompt_logprobs is not None and start < len(row.prompt_token_ids)
             work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
-                                num_logits=len(row_drafts) + 1,
+                                num_logits=count if prompt_logits else len(row_drafts) + 1,
                                 decode=count == 1 and start >= len(row.prompt_token_ids)))
             row_ids.append(row.request_id)
             samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
@@ -193,6 +196,8 @@ class Worker:
         logits = got.logits
         with torch.inference_mode(), self.forwards.on_device():
             sample_start, sample_cpu = time.perf_counter(), time.thread_time()
+            if drafts is None and self._prompt_rows(lo, work):  # rows that gave every prompt position's logits
+                logits = self._prompt_logprobs(result, logits, lo, work)
             if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
@@ -216,6 +221,31 @@ class Worker:
                 self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
                                                        self.runner.max_model_len, self.runner.spare_blocks))
         return time.thread_time() - start_cpu - device_cpu
+
+
+    def _prompt_rows(self, lo: int, work: list[RowWork]) -> bool:
+        """Whether a row of this shard computes prompt tokens of a request that asks for their logprobs."""
+        return any(w.start_pos < len(row.prompt_token_ids) and row.params.prompt_logprobs is not None
+                   for row, w in ((self.mirror.row(lo + i), w) for i, w in enumerate(work)))
+
+    def _prompt_logprobs(self, result: StepResult, logits: torch.Tensor, lo: int, work: list[RowWork]
+                         ) -> torch.Tensor:
+        """The prompt logprobs of the rows that gave a logit per position (``result.prompt_logprobs``); returns
+        each row's last logit, the one it samples from."""
+        counts = np.fromiter((w.num_logits for w in work), dtype=np.int64, count=len(work))
+        ends = np.cumsum(counts)
+        for i, w in enumerate(work):
+            row = self.mirror.row(lo + i)
+            prompt, start = row.prompt_token_ids, w.start_pos
+            if row.params.prompt_logprobs is None or start >= len(prompt):
+                continue
+            # Position p's logits give the logprob of prompt token p + 1; the last prompt position's are the sample's.
+            positions = min(int(counts[i]), len(prompt) - 1 - start)
+            if positions > 0:
+                rows = logits[int(ends[i] - counts[i]): int(ends[i] - counts[i]) + positions]
+                targets = prompt[start + 1: start + 1 + positions]
+                result.prompt_logprobs[lo + i] = (start + 1, prompt_logprobs(rows, targets, row.params.prompt_logprobs))
+        return logits.index_select(0, torch.from_numpy(ends - 1).to(logits.device))
 
 
 def _settle(future: Future) -> None:

@@ -122,7 +122,8 @@ def test_ray_job_submit_as_the_guide_shows_it(ray_head, tmp_path):
                     "sampling_params": {"seed": i, "max_tokens": 6, "ignore_eos": True}}) + "\n"
         for i in range(6)
     ) + json.dumps({"id": "target", "prompt": "x", "extra_args": {"target_token": 9},
-                    "sampling_params": {"max_tokens": 3}}) + "\n")
+                    "sampling_params": {"max_tokens": 3}}) + "\n" + json.dumps(
+        {"id": "scored", "prompt_token_ids": SCORED, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 2}}) + "\n")
     output = tmp_path / "results.jsonl"
     run = submit(address, env, ["python", "-m", "cluster.entrypoints.job", "generate", "--config", "configs/default.yaml",
                                 "--input", str(prompts), "--output", str(output)])
@@ -137,9 +138,25 @@ def test_ray_job_submit_as_the_guide_shows_it(ray_head, tmp_path):
     assert [line.split(":")[0].split(" ")[1] for line in job_lines] == ["starting", "engine", "summary", "prompt"], \
         "\n".join(job_lines)
     records = {str(r["id"]): r for r in map(json.loads, output.read_text().splitlines())}
-    assert set(records) == {*map(str, range(6)), "target"}
+    assert set(records) == {*map(str, range(6)), "target", "scored"}
     assert all(len(records[str(i)]["token_ids"]) == 6 and records[str(i)]["error"] is None for i in range(6))
     assert records["target"]["token_ids"] == [9, 9, 9]
+    # Prompt logprobs on Ray, the real model in float32: transformers' float32 log-softmax of the same prompt.
+    from scoring import reference_logprobs
+
+    from cluster.config import resolve
+
+    reference = reference_logprobs(resolve({"model": {"preset": "smollm2-135m-instruct"}}).facts.path, SCORED)
+    scored = records["scored"]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(SCORED)
+    for i, entry in enumerate(scored[1:]):
+        assert entry["token_id"] == SCORED[i + 1] and len(entry["top"]) == 2
+        assert abs(entry["logprob"] - float(reference[i, SCORED[i + 1]])) <= 1e-3
+        ranked = reference[i].sort(descending=True).values  # ranks agree but where float32 ties what float64 orders
+        assert abs(float(ranked[entry["rank"] - 1]) - float(reference[i, SCORED[i + 1]])) <= 1e-3
+
+
+SCORED = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 330, 7717, 282, 8649, 9478, 582, 3703, 1301, 43, 971, 3116, 8211, 624, 1038, 13842, 30]  # the real model's ids of "The quick brown fox ... its own cache."
 
 
 USER_PROCESSOR = '''

@@ -201,7 +201,7 @@ def test_n_streams_one_output_per_request_and_abort_stops_every_completion():
 @pytest.mark.parametrize(("fields", "message"), [
     ({"n": 2, "best_of": 3}, "best_of is not supported"),
     ({"use_beam_search": True}, "beam search is not implemented"),
-    ({"prompt_logprobs": 1}, "prompt logprobs"),
+    ({"truncate_prompt_tokens": 4}, "prompts are never truncated"),
     ({"n": 2, "temperature": 0.0}, "n must be 1 when using greedy"),
 ])
 def test_unimplemented_parameters_are_rejected(fields, message):
