@@ -71,6 +71,9 @@ class ModelSection(_Section):
     max_model_len: int | None = Field(default=None, ge=2)
     trust_remote_code: bool = False
     max_logprobs: int = Field(default=20, ge=-1)  # as vLLM: the most logprobs a request may ask; -1 = vocabulary
+    # vLLM's: what logprobs (sampled and prompt) hold. raw_logprobs: log-softmax of the model's logits;
+    # raw_logits: the logits themselves. The processed_* modes are refused (see the validator).
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
     # CPU float32: reorder linear weights once for oneDNN (2-3x faster matmuls here).
     cpu_weight_prepack: bool = True
     # Paged attention. "native": a C++ CPU kernel (workers/cpu/native, built by make setup or on first
@@ -100,6 +103,14 @@ class ModelSection(_Section):
     # vLLM's --served-model-name: the names a run-batch line's "model" may give (one name or a list;
     # default: the model as configured); responses carry the first. Another name gets vLLM's 404 record.
     served_model_name: list[str] | None = None
+
+    @field_validator("logprobs_mode")
+    @classmethod
+    def _raw_modes_only(cls, value: str) -> str:
+        if value.startswith("processed_"):
+            raise ValueError(f"{value!r} is not supported: sampled logprobs are taken from the model's logits before "
+                             "any processor, penalty or temperature (raw_logprobs, raw_logits)")
+        return value
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -335,6 +346,27 @@ class StructuredOutputsSection(_Section):
         return parse_bytes(value)
 
 
+class LoraSection(_Section):
+    """LoRA adapters per request (vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras). ``modules``:
+    adapters a JSONL or run-batch line selects by its ``model`` name (vLLM's ``--lora-modules name=path``)."""
+
+    enabled: bool = False
+    max_loras: int = Field(default=1, ge=1)  # adapters on a worker's device at once (and in one step)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)  # kept loaded on the host; default: max_loras
+    modules: dict[str, str] = Field(default_factory=dict)
+    # A directory whose subdirectories are adapters a line or row may name (Ray Data LLM's on-demand loading).
+    dynamic_lora_loading_path: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _modules_enable(cls, data: Any) -> Any:
+        """Naming adapters serves them (as vLLM's --lora-modules does)."""
+        if isinstance(data, dict) and (data.get("modules") or data.get("dynamic_lora_loading_path")):
+            return {**data, "enabled": True}
+        return data
+
+
 class InputSection(_Section):
     """Bounds on what one input line (a ``generate`` or ``run-batch`` line) may ask for; a line past
     one gets an error record of its own and the job goes on."""
@@ -362,6 +394,7 @@ class RaysampleConfig(_Section):
     cache: CacheSection = CacheSection()
     structured_outputs: StructuredOutputsSection = StructuredOutputsSection()
     input: InputSection = InputSection()
+    lora: LoraSection = LoraSection()
     processors: list[Union[str, type, ProcessorItem]] = Field(default_factory=list)
     # Load processors installed as plugins (entry-point groups vllm.logits_processors and
     # raysample.logits_processors) on every engine, as vLLM does.
@@ -409,7 +442,8 @@ class RaysampleConfig(_Section):
         spec = self.speculative
         return EngineConfig(
             scheduler_config=SchedulerConfig(max_num_seqs=self.scheduler.max_num_seqs),
-            model_config=ModelConfig(vocab_size, max_model_len, self.model.tokenizer or model_path),
+            model_config=ModelConfig(vocab_size, max_model_len, self.model.tokenizer or model_path,
+                                     logprobs_mode=self.model.logprobs_mode),
             speculative_config=None
             if spec is None
             else SpeculativeConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),

@@ -26,7 +26,20 @@ def preflight(config: RaysampleConfig, local: bool) -> RaysampleConfig:
         raise PreflightError(local_engines_message(config))
     resolved = _resolved(config)
     check_tensor_parallel(resolved, local)
+    check_lora_modules(resolved)
     return resolved
+
+
+def check_lora_modules(config: RaysampleConfig) -> None:
+    """The adapters the config names (``lora.modules``, ``--lora-modules``) can run on this model: checked
+    from their files before the engine starts, as vLLM checks its ``--lora-modules`` at start-up."""
+    from workers.model.lora_files import AdapterError, read_adapter
+
+    for name, path in config.lora.modules.items():
+        try:
+            read_adapter(path, resolve(config).facts.hf_config, config.lora.max_lora_rank)
+        except AdapterError as exc:
+            raise PreflightError(f"lora.modules[{name!r}]: {exc}") from None
 
 
 def check_tensor_parallel(config: RaysampleConfig, local: bool) -> None:

@@ -69,7 +69,7 @@ class Coordinator:
                                    kv.max_num_batched_tokens, self.kv, model.max_model_len,
                                    admits=lambda request: quarantine.admits(request.group.request_id),
                                    on_release=self._drafts.release if self._drafts is not None else None,
-                                   step_multiple=config.step_multiple,
+                                   step_multiple=config.step_multiple, max_loras=config.max_loras,
                                    prompt_logprob_chunk=max(16, PROMPT_LOGITS_BYTES // (4 * model.vocab_size)))
         self.batch = PersistentBatch(config.max_num_seqs)
         self.kv_note: str | None = None  # where the workers' KV budget came from (cluster.memory)
@@ -91,6 +91,15 @@ class Coordinator:
 
     # ----- requests -----
 
+    def _params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's own copy of its params; the engine's defaults where it gave none."""
+        if params is None or params._engine_defaults:
+            lora = None if params is None else params._lora
+            params = self.config.default_params.clone()
+            params._lora = lora
+            return params
+        return params.clone()
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     rejected: str | None = None, final_only: bool = False) -> str:
@@ -106,7 +115,7 @@ class Coordinator:
         existing = self.requests.get(request_id)
         if existing is not None and not existing.finished:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = (params or self.config.default_params).clone()
+        params = self._params(params)
         text = prompt if isinstance(prompt, str) else None
         try:
             if rejected is not None:

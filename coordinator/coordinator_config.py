@@ -23,6 +23,7 @@ class ModelInfo:
     max_model_len: int
     eos_token_id: int | None
     generation_config: dict[str, Any]
+    hf_config: Any = None  # the model's transformers config: the shapes a LoRA adapter must fit
 
     @classmethod
     def of(cls, facts: ModelFacts, tokenizer: Any) -> ModelInfo:
@@ -36,6 +37,7 @@ class ModelInfo:
             max_model_len=facts.max_model_len,
             eos_token_id=eos,
             generation_config={"eos_token_id": facts.generation_eos},
+            hf_config=facts.hf_config,
         )
 
 
@@ -71,3 +73,8 @@ class CoordinatorConfig:
     # Tokens a step is made a multiple of where it can be (the CPU's fixed linear row count: a step of 64
     # decode rows plus a prompt's 45 tokens would pad 20 rows; ``Scheduler``). 1: any count.
     step_multiple: int = 1
+    # LoRA adapters per request (``lora``): whether they are served, the largest rank, and how many distinct
+    # adapters one step may hold (a worker's device holds that many).
+    lora_enabled: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1

@@ -69,6 +69,9 @@ def coordinator_from_config(config: Any, num_blocks: int, block_size: int,
         grammar_compile_timeout_s=config.structured_outputs.compile_timeout_s,
         grammar_compile_max_memory=config.structured_outputs.compile_max_memory,
         step_multiple=step_multiple(config),
+        lora_enabled=config.lora.enabled,
+        max_lora_rank=config.lora.max_lora_rank,
+        max_loras=config.lora.max_loras,
     )
     spec = config.speculative
     if spec is None:

@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from processors import SamplingParams
 from workers.wire import TokenLogprobs
@@ -88,6 +88,7 @@ class RequestOutput:
     # vLLM's: None first, then each prompt token's {token: Logprob} (the token and the top prompt_logprobs
     # others), once the whole prompt has been computed; None without prompt_logprobs.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    lora_request: Any = None  # the LoRARequest it ran with (vLLM's field), None for the base model
     # The error came from the engine (no worker left, a step failure no request alone explains),
     # not from the request: running it again may succeed, so a resumed job retries it.
     retryable: bool = False
@@ -200,8 +201,10 @@ class Request:
     def cache_salt(self, prefix_caching: bool) -> bytes | None:
         """Namespace of its blocks in the prefix index: global, its siblings only, or none. A request that
         asks for prompt logprobs computes its whole prompt (as vLLM: a cached prefix has no logits)."""
+        lora = self.params._lora
         if prefix_caching and self.params.prompt_logprobs is None:
-            return b""
+            # A LoRA adapter changes every layer's K/V: its requests share cached blocks with its own only.
+            return b"" if lora is None else f"lora:{lora.lora_int_id}:".encode()
         if self.params.prompt_logprobs is not None and self.group is not None:
             return b"group:" + self.group.request_id.encode()
         if self.group is not None and len(self.group.children) > 1:

@@ -30,6 +30,7 @@ from processors.loading import (
     build_logitsprocs,
     validate_logits_processors_parameters,
 )
+from processors.lora_request import LoRARequest
 from processors.sampling_params import SamplingParams, SamplingType
 from processors.state import BatchUpdateBuilder, LogitsProcessors, process_dict_updates
 from processors.structured_outputs import StructuredOutputsParams
@@ -45,6 +46,7 @@ __all__ = [
     "LOGITSPROCS_GROUP",
     "STR_POOLING_REJECTS_LOGITSPROCS",
     "VllmConfig",
+    "LoRARequest",
     "LogitBiasLogitsProcessor",
     "LogitsProcessor",
     "LogitsProcessorLoadError",

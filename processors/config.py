@@ -35,6 +35,7 @@ class ModelConfig:
     vocab_size: int
     max_model_len: int
     tokenizer: str | None = None  # path or hub id
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_logprobs, or raw_logits (the values logprobs hold)
 
     def get_vocab_size(self) -> int:
         return self.vocab_size

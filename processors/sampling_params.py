@@ -134,6 +134,11 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     _request_key: int | None = field(default=None, repr=False, compare=False)
     _child_index: int = field(default=0, repr=False, compare=False)
+    # The request's LoRA adapter (``processors.lora_request.LoRARequest``), set by the entry points from
+    # ``lora_request=`` or a line's model name: it travels with the request's params to every worker.
+    _lora: Any = field(default=None, repr=False, compare=False)
+    # Params made only to carry ``_lora`` for a prompt given no params: the engine fills in its defaults.
+    _engine_defaults: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, why in UNSUPPORTED_FIELDS.items():

@@ -20,6 +20,7 @@ from processors import (
     BatchUpdateBuilder,
     EngineConfig,
     LogitsProcessor,
+    LoRARequest,
     MoveDirectionality,
     RequestLogitsProcessor,
     SamplingParams,
@@ -34,7 +35,7 @@ _FROM_CLUSTER = {"LLM": "cluster.entrypoints.llm", "AsyncLLM": "cluster.entrypoi
 
 __all__ = [
     "AdapterLogitsProcessor", "AsyncLLM", "BatchUpdate", "BatchUpdateBuilder", "Engine", "EngineConfig", "EngineError",
-    "LLM", "LogitsProcessor", "MoveDirectionality", "RequestLogitsProcessor", "SamplingParams",
+    "LLM", "LoRARequest", "LogitsProcessor", "MoveDirectionality", "RequestLogitsProcessor", "SamplingParams",
     "StructuredOutputsParams", "VllmConfig", "build_logitsprocs", "build_processor", "load_config",
     "process_dict_updates",
 ]

@@ -73,6 +73,11 @@ CLAIMS: dict[tuple[str, str], str] = {
         "tests/cluster/ray/test_ray_job.py::test_the_ray_data_example_runs_as_the_guide_shows_it",
     ("docs/guide.md", "scheduler:"): f"{HERE}::test_config_blocks_load",
     ("docs/guide.md", "SamplingParams(structured_outputs="): f"{HERE}::test_structured_outputs_line_runs",
+    ("docs/guide.md", '{"custom_id": "s1"'): f"{HERE}::test_guide_scoring_and_adapter_jobs_run",
+    ("docs/guide.md", ".venv/bin/raysample run-batch"): f"{HERE}::test_guide_scoring_and_adapter_jobs_run",
+    ("docs/guide.md", '{"id": "sea-1"'): f"{HERE}::test_guide_scoring_and_adapter_jobs_run",
+    ("docs/guide.md", ".venv/bin/raysample generate --config configs/default.yaml --input adapters"):
+        f"{HERE}::test_guide_scoring_and_adapter_jobs_run",
 }
 
 
@@ -204,3 +209,40 @@ def test_ray_data_and_engine_blocks_on_a_2_cpu_ray(tmp_path, monkeypatch, capsys
         assert len(scope["outs"]) == 2 and len(scope["three"]) == 3 and scope["done"]
     finally:
         ray.shutdown()
+
+
+def test_guide_scoring_and_adapter_jobs_run(tmp_path, monkeypatch, capsys):
+    """The guide's scoring file and its two-adapter job, as written (in this process: ``--local``), on the real
+    model; the adapters its command names are built here (PEFT, seeded) where it says ``/adapters``."""
+    import json
+    import shlex
+
+    from adapters import build_adapter
+    from helpers import run_job_main
+
+    from cluster.config import resolve
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "scores.jsonl").write_text(block("docs/guide.md", '{"custom_id": "s1"'))
+    command = shlex.split(block("docs/guide.md", ".venv/bin/raysample run-batch"))
+    args = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in command[1:]]
+    done = run_job_main(capsys, *args, "--local")
+    assert done.returncode == 0, done.stderr
+    bodies = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, (tmp_path / "scored.jsonl").read_text().splitlines())}
+    scores = {cid: body["choices"][0]["logprobs"]["token_logprobs"] for cid, body in bodies.items()}
+    assert all(s[0] is None and len(s) > 5 for s in scores.values())
+    assert sum(scores["s1"][1:]) > sum(scores["s2"][1:])  # Paris is likelier than Rome
+
+    base = resolve({"model": {"preset": "smollm2-135m-instruct"}}).facts.path
+    for seed, (name, kind) in enumerate((("terse", "attn-r4"), ("wordy", "mlp-r8"))):
+        build_adapter(base, tmp_path / "adapters" / name, kind, seed)
+    (tmp_path / "adapters.jsonl").write_text(block("docs/guide.md", '{"id": "sea-1"'))
+    command = shlex.split(block("docs/guide.md", ".venv/bin/raysample generate --config configs/default.yaml --input "
+                                                 "adapters").replace("\\\n", " "))
+    args = [str(tmp_path / a) if a.endswith(".jsonl") else a.replace("/adapters/", f"{tmp_path}/adapters/")
+            for a in command[1:]]
+    done = run_job_main(capsys, *args, "--local")
+    assert done.returncode == 0, done.stderr
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "adapted.jsonl").read_text().splitlines())}
+    assert all(r["error"] is None and r["token_ids"] for r in records.values()), records
+    assert len({tuple(r["token_ids"]) for r in records.values()}) == 3  # each adapter answers its own way

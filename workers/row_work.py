@@ -22,3 +22,4 @@ class RowWork:
     start_pos: int
     num_logits: int = 1
     decode: bool = False
+    adapter: tuple[int, str] | None = None  # the row's LoRA adapter: (id, directory), or None for the base model

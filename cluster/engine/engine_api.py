@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from cluster.engine.prompts import Params, PromptInput, as_prompt_list
+from cluster.engine.prompts import Params, PromptInput, as_prompt_list, with_lora
 from coordinator.request import RequestOutput
 
 POLL_S = 1.0
@@ -57,9 +57,10 @@ class RequestAPI(ABC):
 
     # ----- shared -----
 
-    def submit(self, prompt: PromptInput, sampling_params: Params = None, request_id: str | None = None) -> str:
-        return self.submit_many([prompt], [sampling_params] if isinstance(sampling_params, dict) else sampling_params,
-                                [request_id])[0]
+    def submit(self, prompt: PromptInput, sampling_params: Params = None, request_id: str | None = None,
+               lora_request: Any = None) -> str:
+        params = [sampling_params] if isinstance(sampling_params, dict) else sampling_params
+        return self.submit_many([prompt], with_lora(params, lora_request, 1), [request_id])[0]
 
     def results(self, request_ids: Sequence[str], on_finished: Callable[[RequestOutput], None] | None = None
                 ) -> dict[str, RequestOutput]:
@@ -75,15 +76,17 @@ class RequestAPI(ABC):
         return final
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: Params = None,
-                 use_tqdm: bool | Callable[..., Any] = False, raise_refused: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = False, raise_refused: bool = False,
+                 lora_request: Any = None) -> list[RequestOutput]:
         """Run prompts to completion (blocking); outputs in prompt order.
 
         ``use_tqdm``: a progress bar as vLLM's (``True``, or a tqdm-like class to build it).
+        ``lora_request``: a ``LoRARequest`` for every prompt, or a list of one per prompt (``with_lora``).
         ``raise_refused``: as vLLM's ``LLM``, a request refused at submission (``RequestOutput.refused``)
         raises its ValueError before any output, and the others are aborted; else it is an error output.
         """
         prompts = as_prompt_list(prompts)
-        ids = self.submit_many(prompts, sampling_params, final_only=True)
+        ids = self.submit_many(prompts, with_lora(sampling_params, lora_request, len(prompts)), final_only=True)
         early: dict[str, RequestOutput] = {}
         if raise_refused:  # refusals are final at once: one poll without waiting finds them
             early = {out.request_id: out for out in self.poll(ids, 0.0, finished_only=True)}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from processors import SamplingParams
+from processors import LoRARequest, SamplingParams
 
 Prompt = str | list[int]
 PromptInput = Prompt | dict  # vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...} too
@@ -59,3 +60,23 @@ def params_per_prompt(params: Params, n: int) -> list[SamplingParams | None]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def with_lora(params: Params, lora_request: Any, n: int) -> Params:
+    """Each prompt's params carrying its LoRA adapter: vLLM's ``lora_request``, one for every prompt or a
+    list of one per prompt (None: the base model). A prompt given no params keeps the engine's defaults."""
+    if lora_request is None:
+        return params
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request for {n} prompts")
+    carried: list[SamplingParams | None] = []
+    for one, lora in zip(params_per_prompt(params, n), loras):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest (raysample.LoRARequest) or a list of them; "
+                            f"got {type(lora).__name__}")
+        if lora is not None:
+            one = SamplingParams(_engine_defaults=True) if one is None else one.clone()
+            one._lora = lora
+        carried.append(one)
+    return carried

@@ -35,13 +35,14 @@ from typing import Any
 from cluster.config import RaysampleConfig, resolve
 from cluster.entrypoints.engine_factory import build_engine
 from cluster.entrypoints.job_lines import BadLine, engine_request_id, id_key, parse_line
+from cluster.entrypoints.lora_names import LoraNames
 
 Row = dict[str, Any]
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "num_generated_tokens",
                   "num_input_tokens", "prompt_logprobs", "error")
 INPUT_FIELDS = ("id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs", "sampling_params",
-                "extra_args", "vllm_xargs")
+                "extra_args", "vllm_xargs", "model")
 DEFAULT_BATCH_SIZE = 64
 
 
@@ -54,8 +55,10 @@ def _unset_nulls(value: Any) -> Any:
     return value
 
 
-def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]) -> tuple[str, Any, Any]:
-    """(engine request id, prompt, SamplingParams) of one row, by the JSONL job's rules; ``BadLine`` if it cannot run."""
+def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any],
+                adapters: LoraNames | None = None) -> tuple[str, Any, Any]:
+    """(engine request id, prompt, SamplingParams) of one row, by the JSONL job's rules; ``BadLine`` if it cannot
+    run. A ``model`` column names the row's LoRA adapter, as Ray Data LLM's (``adapters``)."""
     try:
         record = {k: _unset_nulls(row[k]) for k in INPUT_FIELDS if row.get(k) is not None}
         rid = record.get("id")
@@ -63,7 +66,7 @@ def row_request(row: Row, defaults: dict[str, Any], tokenizer: Callable[[], Any]
         text = json.dumps(record)
     except RecursionError:  # parse_line refuses past 64 levels; this deep, even writing it out fails
         raise BadLine("the row nests objects/arrays too deeply to be read") from None
-    _, prompt, params = parse_line(text, defaults, tokenizer)
+    _, prompt, params = parse_line(text, defaults, tokenizer, adapters=adapters)
     if params.n != 1:
         raise BadLine(f"n={params.n}: a dataset row holds one completion; give one row per sample (with distinct "
                       "seeds or ids)")
@@ -92,6 +95,7 @@ class EngineStage:
             name = f"{engine_prefix}-{uuid.uuid4().hex[:8]}"
             config = config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
         self.config = config
+        self.adapters = LoraNames.of(config)
         self.preprocess, self.postprocess = preprocess, postprocess
         # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
         local = engine_in_actor(self.config)
@@ -128,7 +132,7 @@ class EngineStage:
         params_of: dict[int, Any] = {}
         for i, row in enumerate(rows):
             try:
-                rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer)
+                rid, prompt, params = row_request(row, self.config.defaults, lambda: self._tokenizer, self.adapters)
             except BadLine as exc:
                 outputs[i] = {"error": str(exc), "finish_reason": "error"}
                 continue

@@ -58,6 +58,29 @@ def _run_options(command: argparse.ArgumentParser) -> None:
                          help="the engine's name on the cluster (Engine.connect(name)); default: a new unique one")
     command.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=None,
                          help="ranks per worker, as vLLM's flag (overrides model.tensor_parallel_size)")
+    command.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                         help="LoRA adapters a line selects by its model name, as vLLM's flag (adds to lora.modules)")
+    command.add_argument("--max-lora-rank", type=positive_int, default=None, help="lora.max_lora_rank")
+    command.add_argument("--max-loras", type=positive_int, default=None, help="lora.max_loras")
+
+
+def with_lora_options(config: Any, args: argparse.Namespace) -> Any:
+    """The config with ``--lora-modules``, ``--max-lora-rank`` and ``--max-loras`` laid over its lora section."""
+    from cluster.config import ConfigError
+    from cluster.entrypoints.lora_names import parse_lora_modules
+
+    update: dict[str, Any] = {}
+    if args.lora_modules:
+        try:
+            update["modules"] = {**config.lora.modules, **parse_lora_modules(args.lora_modules)}
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        update["enabled"] = True
+    if args.max_lora_rank is not None:
+        update["max_lora_rank"] = args.max_lora_rank
+    if args.max_loras is not None:
+        update["max_loras"] = args.max_loras
+    return config.model_copy(update={"lora": config.lora.model_copy(update=update)}) if update else config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +261,7 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, "served_model_name", None):
             config = config.model_copy(update={"model": config.model.model_copy(
                 update={"served_model_name": args.served_model_name})})
+        config = with_lora_options(config, args)
         check_job_paths(args.input, args.output, args.config)
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)

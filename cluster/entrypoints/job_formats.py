@@ -13,6 +13,7 @@ from cluster.entrypoints.chat import load_tokenizer
 from cluster.entrypoints.job_lines import (
     BadLine,
     InputLimits,
+    adapter_of,
     OversizedLine,
     decode_line,
     id_key,
@@ -22,6 +23,7 @@ from cluster.entrypoints.job_lines import (
 )
 from cluster.entrypoints.job_records import Written, error_record, read_records, result_record
 from cluster.entrypoints.json_input import JSONLineError, load_json
+from cluster.entrypoints.lora_names import LoraNames
 from cluster.entrypoints.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
 from coordinator.request import RequestOutput
 from processors import SamplingParams
@@ -36,6 +38,7 @@ class GenerateFormat:
         self.config = config
         self._tokenizer: Future | None = None
         self._limits: InputLimits | None = None
+        self.adapters = LoraNames.of(config)  # what a line's model may name
 
     def prefetch_tokenizer(self) -> None:
         """Load the tokenizer (chat templates, run-batch bodies) while the engine starts, not after."""
@@ -63,7 +66,7 @@ class GenerateFormat:
         return self._limits
 
     def parse(self, line: str) -> tuple[Any, Any, str | list[int], SamplingParams]:
-        rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer, self.limits())
+        rid, prompt, params = parse_line(line, self.config.defaults, self.tokenizer, self.limits(), self.adapters)
         return rid, (rid, params.logprobs, params.prompt_logprobs), prompt, params
 
     def peek(self, line: str) -> Any:
@@ -110,9 +113,8 @@ class OpenAIBatchFormat(GenerateFormat):
             request = parse_batch_line(line, self.tokenizer(), self.config.defaults, self.limits())
         except BatchLineError as exc:
             raise BadLine(str(exc)) from None
-        if request.model is not None and request.model not in self.config.model.served_names():
-            # vLLM's answer to a model it does not serve (OpenAIServing._check_model)
-            raise BadLine(f"The model `{request.model}` does not exist.", status_code=404)
+        if request.model is not None:  # the base model, a LoRA module, or vLLM's 404 (OpenAIServing._check_model)
+            request.params._lora = adapter_of(request.model, self.adapters)
         return request.custom_id, request, request.prompt, request.params
 
     def result(self, context: Any, out: RequestOutput) -> dict[str, Any]:

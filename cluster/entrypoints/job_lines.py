@@ -11,8 +11,9 @@ from typing import Any
 
 from cluster.entrypoints.chat import RENDER_LIMIT_S, render_chat, request_template_kwargs
 from cluster.entrypoints.json_input import JSONLineError, load_json
+from cluster.entrypoints.lora_names import LoraNames, UnknownModel
 from coordinator.intake.prompt_limits import max_prompt_chars, too_long_message
-from processors import SamplingParams
+from processors import LoRARequest, SamplingParams
 
 
 def id_key(rid: Any) -> str:
@@ -72,10 +73,11 @@ def json_object(line: str, error: type[Exception], max_depth: int = 64) -> dict[
     return record
 
 
-def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limits: InputLimits | None = None
-               ) -> tuple[Any, str | list[int], SamplingParams]:
+def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limits: InputLimits | None = None,
+               adapters: LoraNames | None = None) -> tuple[Any, str | list[int], SamplingParams]:
     """One input line; ``tokenizer``: a callable giving it (chat lines only); ``limits``: refuse what
-    cannot fit before rendering or tokenizing anything."""
+    cannot fit before rendering or tokenizing anything; ``adapters``: the LoRA adapters a line's ``model``
+    may name (None: a line may not name one)."""
     record = json_object(line, BadLine, limits.max_json_depth if limits else 64)
     if "id" not in record:
         raise BadLine("missing 'id'")
@@ -83,7 +85,7 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limit
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         raise BadLine(f"'id' must be a non-empty string or an integer, got {json.dumps(rid)}")
     unknown = sorted(set(record) - {"id", "prompt", "prompt_token_ids", "messages", "chat_template_kwargs",
-                                    "sampling_params", "extra_args", "vllm_xargs"})
+                                    "sampling_params", "extra_args", "vllm_xargs", "model"})
     if unknown:
         raise BadLine(f"unknown field(s) {unknown}")
     given = [k for k in ("prompt", "prompt_token_ids", "messages") if k in record]
@@ -122,10 +124,24 @@ def parse_line(line: str, defaults: dict[str, Any], tokenizer: Any = None, limit
         sampling = SamplingParams.from_dict(params)
     except (ValueError, TypeError) as exc:
         raise BadLine(f"invalid sampling_params: {exc}") from None
+    if record.get("model") is not None:
+        sampling._lora = adapter_of(record["model"], adapters)
     if limits is not None and sampling.n > limits.max_requests_per_line:
         raise BadLine(f"n={sampling.n} sequences: a line may ask for at most {limits.max_requests_per_line} "
                       "(input.max_requests_per_line in the config)")
     return rid, prompt, sampling
+
+
+def adapter_of(name: Any, adapters: LoraNames | None) -> LoRARequest | None:
+    """The adapter a line's ``model`` names; ``BadLine`` (vLLM's 404) for a name nothing serves."""
+    try:
+        if adapters is None:
+            raise UnknownModel(str(name))
+        return adapters.request(name)
+    except UnknownModel as exc:
+        raise BadLine(str(exc), status_code=404) from None
+    except ValueError as exc:
+        raise BadLine(str(exc)) from None
 
 
 UTF8_BOM = b"\xef\xbb\xbf"

@@ -15,7 +15,7 @@ from typing import Any
 
 from cluster.config import RaysampleConfig, resolve
 from cluster.engine.engine_api import RequestAPI
-from cluster.engine.prompts import Params, PromptInput, as_prompt_list, params_per_prompt
+from cluster.engine.prompts import Params, PromptInput, as_prompt_list, params_per_prompt, with_lora
 from cluster.entrypoints.chat import load_tokenizer, render_chat
 from cluster.entrypoints.engine_factory import build_engine
 from cluster.entrypoints.llm_args import config_from_llm_args
@@ -72,15 +72,17 @@ class LLM(_EngineOwner):
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: Params = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
                  priority: Any = None) -> list[RequestOutput]:
-        _refuse("lora_request", lora_request, "LoRA adapters are not supported")
+        """``lora_request``: a ``LoRARequest`` for every prompt or a list of one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``."""
         _refuse("priority", priority, "requests are scheduled first come, first served")
-        return self._run(as_prompt_list(prompts), sampling_params, use_tqdm)
+        return self._run(as_prompt_list(prompts), sampling_params, use_tqdm, lora_request)
 
-    def _run(self, prompts: list[Any], sampling_params: Params, use_tqdm: bool | Callable[..., Any]
-             ) -> list[RequestOutput]:
+    def _run(self, prompts: list[Any], sampling_params: Params, use_tqdm: bool | Callable[..., Any],
+             lora_request: Any = None) -> list[RequestOutput]:
         """As vLLM's ``LLM``: a request refused at submission raises (``RequestAPI.generate``'s
         ``raise_refused``); one that fails while running keeps its error, and one warning line counts them."""
-        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_refused=True)
+        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_refused=True,
+                                       lora_request=lora_request)
         failed = [out for out in outputs if out.error is not None]
         if failed:
             logger.warning("%d of %d requests failed while running; each output's .error says why (the first: %s)",
@@ -95,7 +97,6 @@ class LLM(_EngineOwner):
              mm_processor_kwargs: Any = None) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or a list of them. As in vLLM, a conversation
         that cannot be rendered raises its ValueError before anything runs."""
-        _refuse("lora_request", lora_request, "LoRA adapters are not supported")
         _refuse("tools", tools, "tool calling is not supported")
         _refuse("mm_processor_kwargs", mm_processor_kwargs, "multi-modal inputs are not supported")
         conversations = _conversations(messages)
@@ -111,7 +112,7 @@ class LLM(_EngineOwner):
         for rendered in prompts:
             if isinstance(rendered, ValueError):  # vLLM raises for a conversation it cannot render
                 raise rendered
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, lora_request)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError("beam search is not supported: raysample samples one token per row and step")
@@ -125,10 +126,11 @@ class AsyncLLM(_EngineOwner):
 
     async def generate(self, prompt: PromptInput, sampling_params: Params = None, request_id: str | None = None,
                        lora_request: Any = None) -> AsyncIterator[RequestOutput]:
-        _refuse("lora_request", lora_request, "LoRA adapters are not supported")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             raise TypeError("AsyncLLM.generate takes one prompt; call it once per prompt")
         as_prompt_list(prompt)  # the same check of the prompt's form as LLM.generate
+        if lora_request is not None:
+            sampling_params = with_lora(sampling_params, lora_request, 1)[0]  # type: ignore[index]
         async for out in self.engine.stream(prompt, sampling_params, request_id):
             yield out
 

@@ -21,16 +21,16 @@ RENAMED: dict[str, tuple[str, str]] = {
     "seed": ("scheduler", "seed"),
     "tokenizer": ("model", "tokenizer"),
     "data_parallel_size": ("cluster", "num_engines"),
+    "enable_lora": ("lora", "enabled"),
 }
 
 SECTION_ALIASES = {"speculative_config": "speculative"}  # vLLM's dict, with the same keys as ours
-SECTIONS = ("model", "cluster", "scheduler", "cache", "structured_outputs", "speculative", "reasoning")
+SECTIONS = ("model", "cluster", "scheduler", "cache", "structured_outputs", "speculative", "reasoning", "lora")
 
 # vLLM arguments with no raysample counterpart: accepted only at the value that means "off".
 REFUSED: dict[str, tuple[Any, str]] = {
     "pipeline_parallel_size": (1, "pipeline parallelism is not supported (see num_workers)"),
     "quantization": (None, "quantized execution is not supported; a GGUF file is dequantized to model.dtype"),
-    "enable_lora": (False, "LoRA adapters are not supported"),
     "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype; kv_cache_dtype other than 'auto' "
                                "is not supported"),
     "tokenizer_mode": ("auto", "only the model's Hugging Face tokenizer is supported (tokenizer_mode='auto')"),

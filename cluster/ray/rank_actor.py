@@ -54,7 +54,12 @@ class RankActor:
         return True
 
     def forward(self, rows: list[RowWork]) -> None:
-        self.runner.forward(rows)  # every rank gets the whole logits; the lead samples them
+        from workers.model.lora import AdapterUnavailable
+
+        try:
+            self.runner.forward(rows)  # every rank gets the whole logits; the lead samples them
+        except AdapterUnavailable:  # every rank agreed it: the lead fails the rows that use the adapter
+            return
         wait_ready = getattr(self.runner, "wait_ready", None)
         if wait_ready is not None:  # a simulated rank: its step ends when modelled
             wait_ready()

@@ -16,7 +16,9 @@ from coordinator.intake.grammar_check import GrammarCheck
 from coordinator.intake.prompt_limits import check_prompt_chars, max_prompt_chars
 from coordinator.request import Request, RequestStatus
 from processors import SamplingParams, validate_logits_processors_parameters
+from processors.lora_request import LoRARequest
 from processors.builtins.request_level import RequestLevelAdapter, check_request_setting
+from workers.model.lora_files import AdapterError, read_adapter
 from workers.sample.sampler import Sampler
 
 
@@ -28,6 +30,8 @@ class Admission:
         self._max_prompt_chars: int | None = None  # coordinator.intake.prompt_limits, on the first text prompt
         self._grammar_check: GrammarCheck | None = None
         self._compiling: list[Request] = []  # waiting requests whose constraint is compiling
+        self._adapters: dict[Any, str] = {}  # LoRARequest -> why it cannot run ("" where it can), checked once
+        self._paths: dict[int, str] = {}  # lora_int_id -> the adapter directory it names in this engine
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text prompt; ValueError, before any work, for one that cannot fit."""
@@ -42,6 +46,27 @@ class Admission:
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of integer token ids")
         return list(prompt)
+
+    def _lora_problem(self, lora: Any) -> str | None:
+        """Why this request's adapter cannot run (read from its files, no weights loaded), or None."""
+        if not isinstance(lora, LoRARequest):
+            return f"lora_request must be a LoRARequest, got {type(lora).__name__}"
+        if not self.config.lora_enabled:
+            return ("LoRA adapters need lora.enabled in the engine config (LLM(..., enable_lora=True), or "
+                    "--lora-modules)")
+        bound = self._paths.setdefault(lora.lora_int_id, lora.lora_path)
+        if bound != lora.lora_path:  # the id is the adapter's identity: its weights and cached blocks
+            return (f"lora_int_id {lora.lora_int_id} already names the adapter at {bound}; give the adapter at "
+                    f"{lora.lora_path} an id of its own")
+        checked = self._adapters.get(lora)
+        if checked is None:
+            try:
+                read_adapter(lora.lora_path, self.model.hf_config, self.config.max_lora_rank)
+                checked = ""
+            except AdapterError as exc:
+                checked = str(exc)
+            self._adapters[lora] = checked
+        return checked or None
 
     def error(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str | None:
         """Complete the params for this model and check everything; return the problem, if any."""
@@ -67,6 +92,10 @@ class Admission:
         if params.prompt_logprobs is not None and params.prompt_logprobs > cap:
             return (f"Requested prompt logprobs of {params.prompt_logprobs}, which is greater than max allowed: "
                     f"{cap} (model.max_logprobs, at most the vocabulary; prompt_logprobs=-1 asks for all of it)")
+        if params._lora is not None:
+            problem = self._lora_problem(params._lora)
+            if problem is not None:
+                return problem
         if params.thinking_token_budget is not None and not config.reasoning_enabled:
             return "thinking_token_budget needs a reasoning section (start/end) in the engine config"
         if params.n > config.rows_per_worker:

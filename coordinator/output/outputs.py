@@ -113,6 +113,7 @@ class OutputBuilder:
             finished=group.finished,
             error=errors[0] if errors else None,
             prompt_logprobs=self._prompt_logprobs(group),
+            lora_request=first.params._lora,
             retryable=bool(errors) and all(c.retryable for c in group.children if c.error),
             refused=first.refused,
             arrival_time=first.arrival_time,

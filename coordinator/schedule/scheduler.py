@@ -84,11 +84,17 @@ class StepSchedule:
     scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # slots that run this step
 
 
+def id_of(request: Request) -> int | None:
+    """The request's LoRA adapter id, None for the base model."""
+    lora = request.params._lora
+    return None if lora is None else lora.lora_int_id
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_workers: int, rows_per_worker: int, max_num_batched_tokens: int,
                  kv: KVCacheManager, max_model_len: int = 1 << 30, admits: Callable[[Request], bool] | None = None,
                  on_release: Callable[[int], None] | None = None, step_multiple: int = 1,
-                 prompt_logprob_chunk: int = 1 << 30) -> None:
+                 prompt_logprob_chunk: int = 1 << 30, max_loras: int = 1 << 30) -> None:
         """``admits``: which waiting requests may be admitted now (the coordinator's quarantine; None: all);
         ``on_release``: told of each slot freed (``SlotTable``); ``step_multiple``: make a step's tokens a
         multiple of this where prompt tokens can fill it (``_aligned_budget``); ``prompt_logprob_chunk``: the most
@@ -96,6 +102,7 @@ class Scheduler:
         over the vocabulary: a 4k-token prompt never holds 4k of them at once)."""
         self.step_multiple = step_multiple
         self.prompt_logprob_chunk = prompt_logprob_chunk
+        self.max_loras = max_loras  # distinct LoRA adapters a step may hold (what a worker's device holds)
         self.max_num_seqs = max_num_seqs
         self.rows_per_worker = rows_per_worker
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -220,6 +227,7 @@ class Scheduler:
         admitted = []
         preempted_ids = {r.request_id for r in out.preempted}
         picker = OwnerPicker(self) if self.waiting else None
+        adapters = {id_of(table.requests[s]) for s in active.tolist()} - {None} if self.waiting else set()
         for request in list(self.waiting):
             if budget <= 0 or rows >= self.max_num_seqs:
                 break
@@ -229,6 +237,9 @@ class Scheduler:
                 continue  # suspects of an engine failure run apart from everyone else
             if request.request_id in preempted_ids or not request.admissible():
                 break
+            adapter = id_of(request)
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
+                continue  # its adapter would be one more than a worker holds: it waits for a step with room
             salt = request.cache_salt(self.kv.prefix_caching)
             keys = None
             if request.pinned_owner is not None:
@@ -255,6 +266,8 @@ class Scheduler:
             self.waiting.remove(request)
             self.load[owner] += 1
             out.admitted.append(request)
+            if adapter is not None:
+                adapters.add(adapter)
             slot = self.table.take(request, request.cache_salt(self.kv.prefix_caching) is not None)
             admitted.append(slot)
             out.start[slot] = request.kv.num_computed

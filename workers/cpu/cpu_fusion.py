@@ -269,17 +269,18 @@ def _fuse_rotary(module: nn.Module) -> bool:
     return True
 
 
-def fuse_cpu_layers(model: nn.Module) -> dict[str, int]:
-    """Apply every exact swap to ``model``, then prepack the remaining linears; returns what was done."""
+def fuse_cpu_layers(model: nn.Module, projections: bool = True) -> dict[str, int]:
+    """Apply every exact swap to ``model``, then prepack the remaining linears; returns what was done.
+    ``projections=False`` keeps each projection a module of its own (LoRA adapters wrap them)."""
     from workers.cpu.cpu_linear import prepack_linears
 
     counts = {"mlp": 0, "shared_input": 0, "rms_norm": 0, "rotary": 0}
     verdicts = Verdicts()
     with torch.inference_mode():
         for module in list(model.modules()):
-            if _fuse_llama_mlp(module, verdicts):
+            if projections and _fuse_llama_mlp(module, verdicts):
                 counts["mlp"] += 1
-            for names in _PROJECTIONS:
+            for names in _PROJECTIONS if projections else ():
                 counts["shared_input"] += _share_input(module, names, verdicts)
             counts["rms_norm"] += _fuse_rms_norm(module, verdicts)
             counts["rotary"] += _fuse_rotary(module)

@@ -130,6 +130,12 @@ def _checked(store: Path | None, key: str, check: Callable[[], bool]) -> bool:
     return verdict
 
 
+def checked_once(store: Path | None, shape: tuple, check: Callable[[], bool], tile: int = DEFAULT_TILE) -> bool:
+    """A kernel's verdict for ``shape`` on this CPU (and torch, settings, threads), computed once and kept in
+    ``store``: what other exact constructions check as the row tiles do (``workers.model.lora``)."""
+    return _checked(store, _verdict_key(shape, tile), check)
+
+
 def fix_row_counts(model: nn.Module, tile: int = DEFAULT_TILE, store: Path | None = None) -> dict[str, int]:
     """Run every CPU linear of ``model`` (prepacked or plain) in calls of exactly ``tile`` rows; returns, by
     module name, the rows each call of it computes for real (``tile``, or 1 where the kernel's rows were not

@@ -20,9 +20,10 @@ import torch
 from workers.cpu import host_memory, native_attention
 from workers.cpu.cpu_fusion import fuse_cpu_layers
 from workers.cpu.cpu_linear import prepack_available
-from workers.cpu.row_tiles import DEFAULT_TILE, fix_row_counts
+from workers.cpu.row_tiles import DEFAULT_TILE, fix_row_counts, in_tiles
 from workers.model.attention_probe import verify_once
 from workers.model.decode_layout import block_major_layout
+from workers.model.lora import LoraLimits, LoraManager
 from workers.model.memory_plan import GpuMemoryPlan
 from workers.model.merged_layers import merge_layers
 from workers.model.model_support import check_model_config, kv_geometry, resolved_max_model_len
@@ -114,7 +115,7 @@ class ModelRunner:
                  spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None,
                  model_config: Any = None, max_step_tokens: int = 2048, max_logit_rows: int | None = None,
-                 batch_invariant: bool = True, row_tile: int = DEFAULT_TILE) -> None:
+                 batch_invariant: bool = True, row_tile: int = DEFAULT_TILE, lora: LoraLimits | None = None) -> None:
         """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
         ahead writes the token of a row entering a block the coordinator has not yet given it
         (``workers.step.ahead``); ``copy_blocks`` moves it there once the plan names the block.
@@ -129,7 +130,9 @@ class ModelRunner:
         and the LM head see in one step. ``batch_invariant`` (CPU, one rank): every linear called with exactly
         ``row_tile`` rows (``workers.cpu.row_tiles``) and every query attended in the native kernel, so a row's
         bits depend neither on its batch nor on its prompt's chunking; False leaves the linears as a GPU runs
-        them (benches that count a GPU's operators on CPU, and the measure of what the construction costs)."""
+        them (benches that count a GPU's operators on CPU, and the measure of what the construction costs).
+        ``lora``: serve LoRA adapters per request (``workers.model.lora``): each projection stays a module of
+        its own, and steps run eager (a step's adapters group its tokens by value)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         register_paged_attention()
@@ -137,6 +140,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()  # each step's logits and activations reuse the heap's pages
         self.dtype = resolve_dtype(dtype, self.device)
+        self.lora: LoraManager | None = None  # installed once the model's layers are final
         if model_config is None:  # built on its own (tests, benches); an engine hands down the config it read
             model_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
         seed = random_weights_seed(model_path)
@@ -170,11 +174,13 @@ class ModelRunner:
         block_size = self.block_size
         per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
         min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
-        static_mode = decode_mode(enforce_eager, self.device, tensor_parallel_size)
+        static_mode = None if lora is not None else decode_mode(enforce_eager, self.device, tensor_parallel_size)
         activations = 0
         if self.device.type == "cuda" and kv_cache_memory is None:
             activations = self._activation_reserve(max_rows, cudagraph_capture_sizes, static_mode == "graphs",
                                                    max_step_tokens)
+            if lora is not None:  # the adapters' slots, allocated once the cache is
+                activations += lora.buffer_bytes(config, self.dtype.itemsize, tensor_parallel_size)
         self.num_blocks = smallest_over_ranks(
             self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks,
                              activations))
@@ -207,15 +213,22 @@ class ModelRunner:
         cpu_fused = (prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1
                      and static_mode != "compiled" and not merge_projections)
         if cpu_fused:
-            fuse_cpu_layers(self.model)
+            fuse_cpu_layers(self.model, projections=lora is None)
         if merge_projections is None:
-            merge_projections = self.device.type != "cpu" or static_mode == "compiled"
+            merge_projections = (self.device.type != "cpu" or static_mode == "compiled") and lora is None
         if merge_projections and not cpu_fused and tensor_parallel_size == 1:
             merge_layers(self.model, paged_attention)
         if self.batch_invariant:
             from workers.host_cache import cache_root
 
             fix_row_counts(self.model, row_tile, cache_root() / "row-tiles")
+        if lora is not None:
+            tiled = (lambda compute, rows: in_tiles(compute, rows, row_tile)) if self.batch_invariant else None
+            self.lora = LoraManager(self.model, config, self.dtype, self.device, lora, tiled)
+            if self.batch_invariant:
+                from workers.host_cache import cache_root
+
+                self.lora.check_slots(cache_root() / "row-tiles")
         if static_mode:
             self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
             self.static.capture()
@@ -470,6 +483,8 @@ class ModelRunner:
         """Logits ``[sum(num_logits), vocab]`` as float32, rows in the given order."""
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.lora is not None:
+            self.lora.prepare([row.adapter for row in rows], [len(row.token_ids) for row in rows])
         shape = self.static.shape(rows) if self.static is not None else None
         if shape is not None:
             return self.static.forward(rows, shape)

@@ -15,15 +15,18 @@ from workers.wire import TokenLogprobs
 SLICE_ROWS = 64
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int, as_logits: bool = False
+                    ) -> list[TokenLogprobs]:
     """``logits`` ``(positions, vocab)``: row ``i`` predicts ``targets[i]``. For each position: that token's
     logprob and rank (1 = the most likely; tokens as likely count ahead of it, as vLLM counts), and the ``top``
-    most likely tokens with theirs."""
+    most likely tokens with theirs. ``as_logits`` (``logprobs_mode`` raw_logits): the logits, not logprobs."""
     out: list[TokenLogprobs] = []
     target = torch.tensor(targets, dtype=torch.long, device=logits.device)
     for start in range(0, logits.shape[0], SLICE_ROWS):
         stop = min(start + SLICE_ROWS, logits.shape[0])
-        logprobs = torch.log_softmax(logits[start:stop].float(), dim=-1)
+        logprobs = logits[start:stop].float()
+        if not as_logits:
+            logprobs = torch.log_softmax(logprobs, dim=-1)
         chosen = logprobs.gather(1, target[start:stop].unsqueeze(1))
         ranks = (logprobs >= chosen).sum(dim=-1).tolist()
         best = logprobs.topk(top, dim=-1) if top else None

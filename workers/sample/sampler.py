@@ -90,6 +90,8 @@ class Sampler:
     ) -> None:
         self.device = torch.device(device)
         self.thinking = thinking
+        model_config = getattr(config, "model_config", None)
+        self.logits_mode = getattr(model_config, "logprobs_mode", "raw_logprobs") == "raw_logits"
         args = (config, self.device, is_pin_memory)
         self._constructor_args = args
         self.allowed_token_ids = AllowedTokenIdsLogitsProcessor(*args)
@@ -336,8 +338,9 @@ class Sampler:
         return out
 
     def logprobs(self, raw: torch.Tensor, local: np.ndarray, rows: slice, sampled: torch.Tensor) -> dict[int, TokenLogprobs]:
-        """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call."""
-        logprobs = torch.log_softmax(raw.float(), dim=-1)  # (len(local), vocab)
+        """Logprobs from raw logits ``raw`` (one row per entry of ``local``); ``sampled`` is per row of the call.
+        With ``logprobs_mode`` raw_logits, the logits themselves (ranks and top tokens alike)."""
+        logprobs = raw.float() if self.logits_mode else torch.log_softmax(raw.float(), dim=-1)  # (len(local), vocab)
         counts = self.rows["num_logprobs"][local + rows.start]
         n_max = int(counts.max())
         top = logprobs.topk(n_max, dim=-1) if n_max else None

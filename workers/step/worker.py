@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from workers.host_cache import set_lock_timeout
+from workers.model.lora import AdapterUnavailable, LoraLimits
 from workers.model.model_runner import ModelRunner
 from workers.model.static_decode import decode_mode
 from workers.model.tensor_parallel import Followers, LeadRunner
@@ -28,6 +29,7 @@ from workers.row_work import RowWork
 from workers.sample.prompt_logprobs import prompt_logprobs
 from workers.sample.rejection import verify_drafts
 from workers.sample.sampler import Sampler
+from workers.sample.sampler_errors import LogitsProcessorError
 from workers.step.ahead import Forwards, Logits, guess_next
 from workers.step.compute_thread import compute_thread
 from workers.step.mirror import BatchMirror
@@ -131,7 +133,10 @@ class Worker:
                 raise
             result.update_cpu_s = time.thread_time() - update_start
             result.plan_s = time.perf_counter() - start_time
-            got, forward_cpu = forward.result()
+            try:
+                got, forward_cpu = forward.result()
+            except AdapterUnavailable as exc:  # only the requests with that adapter fail
+                raise LogitsProcessorError(str(exc), tuple(lo + r for r in exc.rows)) from None
             compute_cpu = forward_cpu + compute_thread().run(self._sample, result, got, lo, hi, work, row_ids,
                                                              samples, drafts)
         else:
@@ -167,9 +172,11 @@ class Worker:
             length = len(row.prompt_token_ids) + len(row.output_token_ids)
             # A prompt chunk of a request asking for prompt logprobs: the logits of every position it computes.
             prompt_logits = row.params.prompt_logprobs is not None and start < len(row.prompt_token_ids)
+            lora = row.params._lora
             work.append(RowWork(row.block_table, row.token_slice(start, start + count) + row_drafts, start,
                                 num_logits=count if prompt_logits else len(row_drafts) + 1,
-                                decode=count == 1 and start >= len(row.prompt_token_ids)))
+                                decode=count == 1 and start >= len(row.prompt_token_ids),
+                                adapter=None if lora is None else (lora.lora_int_id, lora.lora_path)))
             row_ids.append(row.request_id)
             samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
         return work, row_ids, samples, drafts
@@ -244,7 +251,8 @@ class Worker:
             if positions > 0:
                 rows = logits[int(ends[i] - counts[i]): int(ends[i] - counts[i]) + positions]
                 targets = prompt[start + 1: start + 1 + positions]
-                result.prompt_logprobs[lo + i] = (start + 1, prompt_logprobs(rows, targets, row.params.prompt_logprobs))
+                result.prompt_logprobs[lo + i] = (start + 1, prompt_logprobs(rows, targets, row.params.prompt_logprobs,
+                                                                             self.sampler.logits_mode))
         return logits.index_select(0, torch.from_numpy(ends - 1).to(logits.device))
 
 
@@ -298,6 +306,8 @@ def build_runner(config: Any, device: torch.device | str) -> Any:
         max_step_tokens=config.scheduler.max_num_batched_tokens,
         batch_invariant=config.model.batch_invariant,
         row_tile=config.model.cpu_row_tile,
+        lora=LoraLimits(config.lora.max_loras, config.lora.max_cpu_loras or config.lora.max_loras,
+                        config.lora.max_lora_rank) if config.lora.enabled else None,
         max_logit_rows=config.scheduler.slots_per_worker() * (1 + (config.speculative.num_speculative_tokens
                                                                   if config.speculative is not None else 0)),
     )

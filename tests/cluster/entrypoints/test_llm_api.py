@@ -8,6 +8,8 @@ import inspect
 
 import pytest
 
+import raysample
+
 from cluster import LLM, AsyncLLM, Engine
 from cluster.engine.local_engine import LocalEngine
 from cluster.entrypoints.llm_args import config_from_llm_args
@@ -54,7 +56,7 @@ def test_config_file_plus_keywords_and_presets(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
-    ({"enable_lora": True}, "LoRA adapters are not supported"),
+    ({"enable_lora": "yes please"}, r"lora\.enabled: Input should be a valid boolean"),
     ({"quantization": "awq"}, "quantized execution is not supported"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype other than 'auto'"),
     ({"swap_space": 4}, "unexpected keyword argument 'swap_space'"),
@@ -95,8 +97,10 @@ def test_params_as_dicts_and_one_per_prompt(llm):
 
 
 def test_unsupported_request_arguments_are_refused(llm):
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate("a", GREEDY, lora_request=object())
+    with pytest.raises(ValueError, match="LoRA adapters need lora.enabled"):  # refused at submission, as vLLM
+        llm.generate("a", GREEDY, lora_request=raysample.LoRARequest("x", 1, "/adapters/x"))
     with pytest.raises(ValueError, match="multi-modal data is not supported"):
         llm.generate({"prompt": "a", "multi_modal_data": {"image": None}}, GREEDY)
     with pytest.raises(ValueError, match="tools is not supported"):

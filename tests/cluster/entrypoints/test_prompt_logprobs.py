@@ -119,3 +119,27 @@ def test_a_ray_data_column_holds_them(tmp_path):
     assert rows[0]["prompt_logprobs"][0] is None and len(rows[0]["prompt_logprobs"]) == 20
     assert rows[0]["prompt_logprobs"][1]["token_id"] == 21 and len(rows[0]["prompt_logprobs"][1]["top_token_ids"]) == 1
     assert rows[1]["prompt_logprobs"] is None
+
+
+def test_logprobs_mode_raw_logits_gives_the_models_logits_and_processed_modes_are_refused():
+    import torch
+    from scoring import reference_model
+
+    from cluster.config import ConfigError, load_config
+
+    engine = LocalEngine({"model": {"tiny": "default", "dtype": "float32", "max_model_len": 64,
+                                    "logprobs_mode": "raw_logits"}})
+    try:
+        prompt = [5, 6, 7, 8, 9]
+        out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1,
+                                                       prompt_logprobs=1))[0]
+        with torch.inference_mode():
+            logits = reference_model(str(engine.model_path))(torch.tensor([prompt])).logits[0]
+    finally:
+        engine.shutdown()
+    for i, token in enumerate(prompt[1:]):  # position i + 1 is predicted by the logits at i
+        assert abs(out.prompt_logprobs[i + 1][token].logprob - float(logits[i, token])) <= 1e-4
+    sampled = out.outputs[0].token_ids[0]
+    assert abs(out.outputs[0].logprobs[0][sampled].logprob - float(logits[-1].max())) <= 1e-4
+    with pytest.raises(ConfigError, match="processed_logprobs' is not supported"):
+        load_config({"model": {"tiny": "default", "logprobs_mode": "processed_logprobs"}})

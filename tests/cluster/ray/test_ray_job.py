@@ -270,7 +270,8 @@ def test_the_ray_data_example_runs_as_the_guide_shows_it(ray_head, tmp_path):
 def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head, tmp_path):
     """configs/tensor-parallel.yaml: the real model in one group of 3 ranks (gloo), on the head's 4 CPUs;
     its greedy records on 8 chat prompts equal the in-process engine's on one rank (tokens exact; the
-    job writes no logprobs here, tests/workers/model/test_tensor_parallel.py holds those to 1e-4 on the tiny model)."""
+    job writes no logprobs here, tests/workers/model/test_tensor_parallel.py holds those to 1e-4 on the tiny model).
+    Two lines name LoRA adapters (--lora-modules): each rank holds its slices of them."""
     from cluster.config import load_config
     from cluster.entrypoints.llm import LLM
     from processors import SamplingParams
@@ -279,15 +280,26 @@ def test_tensor_parallel_config_through_ray_job_submit_equals_one_rank(ray_head,
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "Is water wet? Answer in one word.",
                  "List three primary colors.", "What is 12 times 12?", "Name a famous painter.",
                  "Translate 'good morning' to French.", "Give me a synonym for happy."]
+    from adapters import build_adapter, peft_greedy
+
+    from cluster.config import resolve
+
+    base = resolve({"model": {"preset": "smollm2-135m-instruct"}}).facts.path
+    adapters = {kind: build_adapter(base, tmp_path / kind, kind, seed) for seed, kind in enumerate(["mlp-r8", "all-r16"])}
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}],
                                            "sampling_params": {"max_tokens": 24}}) + "\n"
-                               for i, q in enumerate(questions)))
+                               for i, q in enumerate(questions)) + "".join(
+        json.dumps({"id": kind, "model": kind, "prompt_token_ids": SCORED[:12], "sampling_params": {"max_tokens": 8}})
+        + "\n" for kind in adapters))
     output = tmp_path / "tp.jsonl"
     run = submit(address, env, ["python", "-m", "cluster.entrypoints.job", "generate", "--config", "configs/tensor-parallel.yaml",
-                                "--input", str(prompts), "--output", str(output)])
+                                "--input", str(prompts), "--output", str(output),
+                                "--lora-modules", *(f"{kind}={path}" for kind, path in adapters.items())])
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     records = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    for kind, path in adapters.items():  # LoRA adapters split over the 3 ranks: transformers + peft's greedy tokens
+        assert records[kind]["error"] is None and records[kind]["token_ids"] == peft_greedy(base, path, SCORED[:12], 8)
     config = load_config(ROOT / "configs" / "tensor-parallel.yaml")
     config = config.model_copy(update={"model": config.model.model_copy(update={"tensor_parallel_size": 1})})
     one_rank = LLM(config=config, local=True)

@@ -176,3 +176,66 @@ def test_a_single_cpu_workers_steps_are_multiples_of_the_row_count_while_prompts
     assert all(o.error is None for o in outs)
     while_waiting = [tokens for tokens, waiting in sizes if waiting]
     assert len(while_waiting) > 10 and all(tokens % TILE == 0 for tokens in while_waiting), while_waiting
+
+
+class FakeLoraProducts:
+    """The LoRA products' matmul, worse than any CPU: its bits change with the call's row count and with an
+    output column's position (where a slot sits in the stacked weights). Verdicts are not kept on disk."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from types import SimpleNamespace
+
+        import workers.model.lora as lora
+        from workers.cpu import row_tiles
+
+        self.row_counts: set[int] = set()
+        fakes = self
+
+        def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            rows, cols = x.shape[0], weight.shape[0]
+            fakes.row_counts.add(rows)
+            eps = relative(x.dtype)
+            factor = (1 + eps * ((rows * 7919) % 5 + 1)) * (1 + eps * (torch.arange(cols) % 3 + 1).float())
+            return (exact_rows(x, weight, None).float() * factor).to(x.dtype)
+
+        monkeypatch.setattr(lora, "F", SimpleNamespace(linear=linear))
+        monkeypatch.setattr(row_tiles, "checked_once", lambda store, shape, check, tile=TILE: check())
+
+
+def test_lora_rows_keep_their_bits_alone_and_batched_with_kernels_worse_than_any_cpu(monkeypatch, tmp_path):
+    """Two adapters and the base model in the batch of 48 (chunked, preempted, restarted): each checked request
+    gives the bits it gives alone. The fake moves a slot's bits with its place, so the load-time check sends
+    every slot to products of its own; the fixed row tiles cover the rest."""
+    from adapters import build_adapter
+
+    from cluster.config import resolve
+    from cluster.engine.prompts import with_lora
+    from processors import LoRARequest
+
+    path = resolve({"model": {"tiny": "default"}}).facts.path
+    adapters = [LoRARequest(f"a{i}", i + 1, str(build_adapter(path, tmp_path / f"a{i}", kind, i)))
+                for i, kind in enumerate(("all-r16", "qko-r2"))]
+    loras = [adapters[i % 3] if i % 3 < 2 else None for i in range(48)]
+    FakeKernels(monkeypatch)
+    lora_fakes = FakeLoraProducts(monkeypatch)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    eng = LocalEngine({"model": {"tiny": "default", "dtype": "float32", "max_model_len": 128, "cpu_row_tile": TILE},
+                       "scheduler": {"max_num_seqs": 48, "max_num_batched_tokens": 48},
+                       "cache": {"block_size": 16, "kv_cache_memory": 40 * block_bytes},
+                       "lora": {"enabled": True, "max_loras": 2}})
+    try:
+        assert eng.workers[0].runner.lora.per_slot  # the check found the fake's columns move with their slot
+        lora_fakes.row_counts.clear()
+        ids = eng.submit_many(prompts(), with_lora([params(i) for i in range(48)], loras, 48), final_only=True)
+        for _ in range(6):
+            eng.step()
+        eng.coordinator.requeue_running(eng.executor.worker_ids)
+        eng.executor.reset()
+        outputs = eng.results(ids)
+        batched = [record(outputs[rid]) for rid in ids[:12]]
+        assert eng.coordinator.scheduler.num_preemptions > 0
+        alone = [record(eng.generate([p], params(i), lora_request=loras[i])[0]) for i, p in enumerate(prompts()[:12])]
+    finally:
+        eng.shutdown()
+    assert alone == batched
+    assert lora_fakes.row_counts == {TILE}

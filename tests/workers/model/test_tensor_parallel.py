@@ -219,6 +219,65 @@ def test_the_architecture_zoo_split_in_two_gives_one_ranks_greedy_tokens(tmp_pat
         assert max(abs(a - b) for a, b in zip(lead[1], whole[name][1])) < tolerance, name
 
 
+def greedy_rows(runner, prompt: list[int], adapters: list, steps: int) -> list[list[int]]:
+    """Greedy tokens of one prompt in several rows of each forward, each row with its LoRA adapter (or None)."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(adapters))]
+    logits = runner.forward([RowWork(t, prompt, 0, 1, adapter=a) for t, a in zip(tables, adapters)])
+    tokens = [[int(row.argmax())] for row in logits]
+    for i in range(steps - 1):
+        logits = runner.forward([RowWork(t, [got[-1]], len(prompt) + i, 1, decode=True, adapter=a)
+                                 for t, a, got in zip(tables, adapters, tokens)])
+        for got, row in zip(tokens, logits):
+            got.append(int(row.argmax()))
+    return tokens
+
+
+def lora_rank(rank: int, size: int, address: str, path: str, adapter: str, results) -> None:
+    from workers.model.lora import AdapterUnavailable, LoraLimits
+    from workers.model.model_runner import ModelRunner
+    from workers.model.tensor_parallel import join_group
+    from workers.wire import TensorRank
+
+    torch.set_num_threads(1)
+    join_group(TensorRank(rank, size, address), torch.device("cpu"), 120)
+    runner = ModelRunner(path, "cpu", "float32", max_model_len=128, max_rows=3, tensor_parallel_size=size,
+                         block_size=8, lora=LoraLimits(max_loras=2, max_cpu_loras=2, max_lora_rank=16))
+    out: dict = {"tokens": greedy_rows(runner, ZOO_PROMPT, [(1, adapter), None], 10)}
+    try:  # an adapter one rank cannot load: every rank raises, none waits in a collective
+        runner.forward([RowWork(list(range(8)), ZOO_PROMPT, 0, 1), RowWork(list(range(8, 16)), ZOO_PROMPT, 0, 1,
+                                                                           adapter=(2, "/nowhere"))])
+    except AdapterUnavailable as exc:
+        out["refused"] = exc.rows
+    out["after"] = greedy_rows(runner, ZOO_PROMPT, [(1, adapter)], 4)  # the group goes on
+    results.put((rank, out))
+
+
+def test_a_lora_adapter_split_in_two_gives_transformers_peft_greedy_tokens(tmp_path):
+    """Each rank holds its slices of the adapter: B's rows where a projection splits its output, A's columns
+    where it splits its input (those partial products summed over the ranks)."""
+    import torch.multiprocessing as mp
+    from adapters import build_adapter, peft_greedy
+
+    path = str(build_arch_model("llama"))
+    adapter = str(build_adapter(path, tmp_path / "adapter", "all-r16", 3))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=lora_rank, args=(r, 2, address, path, adapter, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    split = dict(results.get(timeout=600) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    with_adapter, base = peft_greedy(path, adapter, ZOO_PROMPT, 10), peft_greedy(path, None, ZOO_PROMPT, 10)
+    assert with_adapter != base
+    for rank in (0, 1):
+        assert split[rank]["tokens"] == [with_adapter, base], rank
+        assert split[rank]["refused"] == (1,) and split[rank]["after"] == [with_adapter[:4]]
+
+
 # ----- on Ray -----
 
 @pytest.fixture(scope="module")
