@@ -26,8 +26,10 @@ class ModelInfo:
     hf_config: Any = None  # the model's transformers config: the shapes a LoRA adapter must fit
 
     @classmethod
-    def of(cls, facts: ModelFacts, tokenizer: Any) -> ModelInfo:
-        """From the facts the run read once (``workers.model.model_facts``) and the loaded tokenizer."""
+    def of(cls, facts: ModelFacts, tokenizer: Any, lora: bool = False) -> ModelInfo:
+        """From the facts the run read once (``workers.model.model_facts``) and the loaded tokenizer. ``lora``:
+        keep the model's config too, for checking adapters (reading it imports the model's config class,
+        which a coordinator otherwise never does)."""
         eos = tokenizer.eos_token_id
         if eos is None:
             gen_eos = facts.generation_eos
@@ -37,7 +39,7 @@ class ModelInfo:
             max_model_len=facts.max_model_len,
             eos_token_id=eos,
             generation_config={"eos_token_id": facts.generation_eos},
-            hf_config=facts.hf_config,
+            hf_config=facts.hf_config if lora else None,
         )
 
 

@@ -29,7 +29,7 @@ def coordinator_inputs(config: Any, tokenizer: Any = None) -> tuple[Any, ModelIn
     before the workers are."""
     facts = config.facts
     tokenizer = load_tokenizer(facts) if tokenizer is None else tokenizer
-    return tokenizer, ModelInfo.of(facts, tokenizer)
+    return tokenizer, ModelInfo.of(facts, tokenizer, lora=config.lora.enabled)
 
 
 def step_multiple(config: Any) -> int:
