@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from cluster.config import load_config, resolve  # noqa: E402
 
 try:
-    from coordinator.factory import coordinator_from_config  # noqa: E402
+    from cluster.engine.setup import coordinator_from_config  # noqa: E402
 except ImportError:  # a checkout from before the coordinator was split into rooms (--before)
     from coordinator.coordinator import coordinator_from_config  # noqa: E402
 from processors import SamplingParams  # noqa: E402

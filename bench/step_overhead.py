@@ -126,14 +126,14 @@ def overlap_ab_ms(workers: int, prompts: list[str], params: SamplingParams, over
     core = StepLoop(resolve(config(workers, f"overlap-{workers}-{overlap}", compiled=True)))
     try:
         core.add_requests([(p, params, None) for p in prompts[:2]])
-        while core.coordinator.has_unfinished():
+        while core.core.coordinator.has_unfinished():
             time.sleep(0.01)
-        core.step_overhead_ms.clear()
+        core.core.step_overhead_ms.clear()
         ids = core.add_requests([(p, params, None) for p in prompts])
-        while core.coordinator.has_unfinished():
+        while core.core.coordinator.has_unfinished():
             time.sleep(0.01)
         assert len(core.poll(ids, 5.0, finished_only=True)) > 0
-        return statistics.median(core.step_overhead_ms)
+        return statistics.median(core.core.step_overhead_ms)
     finally:
         StepLoop.overlap_outputs = None
         core.shutdown()

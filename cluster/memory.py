@@ -65,7 +65,7 @@ class ModelMemory:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from workers.model.model_runner import resolve_dtype
+        from workers.model.runner_options import resolve_dtype
         from workers.model.model_support import kv_geometry
 
         torch_dtype = resolve_dtype(dtype, torch.device("cpu"))

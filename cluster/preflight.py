@@ -1,7 +1,6 @@
-"""Checks on the driver before Ray or any worker starts: a bad job fails in seconds with one line.
-
-``preflight`` also resolves the run's configuration (``cluster.config.resolve``), so a model that cannot
-be converted or read, or a max_model_len past its limit, is one of those lines."""
+"""Preparing a run, once, where it starts: the config loaded, checked before Ray or any worker starts (a bad
+job fails in seconds with one line), and its model's facts read (``cluster.config.resolve``, so a model that
+cannot be converted or read, or a max_model_len past its limit, is one of those lines)."""
 
 from __future__ import annotations
 
@@ -9,25 +8,32 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
-from cluster.config import ProcessorItem, RaysampleConfig, resolve
+from cluster.config import ProcessorItem, RaysampleConfig, load_config, resolve
 
 
 class PreflightError(ValueError):
     """The job cannot run; the message is one line naming the cause."""
 
 
-def preflight(config: RaysampleConfig, local: bool) -> RaysampleConfig:
-    """The run's configuration, resolved once here (``config.facts``), once every check passed."""
-    _check_processors(config)
-    check_model_source(config)
-    _check_gpus(config, local)
+def prepare_run(source: RaysampleConfig | dict[str, Any] | str | Path, local: bool) -> RaysampleConfig:
+    """The run's configuration, prepared once by the entry point where the run starts (``LLM``, the job, Ray
+    Data's driver, an engine built on its own): loaded, checked, and its model's facts read (``config.facts``,
+    what everything below reads). ``local``: for the in-process engine. A prepared config comes back as it
+    is, checked again only for what differs where it is used (a Ray Data actor's engine in process)."""
+    config = load_config(source)
+    if not config.resolved:
+        _check_processors(config)
+        check_model_source(config)
+        _check_gpus(config, local)
+        config = _resolved(config)
+        check_lora_modules(config)
     if local and config.cluster.num_engines > 1:
         raise PreflightError(local_engines_message(config))
-    resolved = _resolved(config)
-    check_tensor_parallel(resolved, local)
-    check_lora_modules(resolved)
-    return resolved
+    check_tensor_parallel(config, local)
+    return config
+
 
 
 def check_lora_modules(config: RaysampleConfig) -> None:
@@ -37,7 +43,7 @@ def check_lora_modules(config: RaysampleConfig) -> None:
 
     for name, path in config.lora.modules.items():
         try:
-            read_adapter(path, resolve(config).facts.hf_config, config.lora.max_lora_rank)
+            read_adapter(path, config.facts.hf_config, config.lora.max_lora_rank)
         except AdapterError as exc:
             raise PreflightError(f"lora.modules[{name!r}]: {exc}") from None
 

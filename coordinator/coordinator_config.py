@@ -55,7 +55,7 @@ class KVSettings:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """The coordinator's settings (``coordinator.factory`` fills them from a ``RaysampleConfig``)."""
+    """The coordinator's settings (``cluster.engine.setup`` fills them from the run's config)."""
 
     max_num_seqs: int
     num_workers: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from cluster.engine.prompts import Params, PromptInput, as_prompt_list, with_lora
@@ -61,6 +61,15 @@ class RequestAPI(ABC):
                lora_request: Any = None) -> str:
         params = [sampling_params] if isinstance(sampling_params, dict) else sampling_params
         return self.submit_many([prompt], with_lora(params, lora_request, 1), [request_id])[0]
+
+    def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
+        """These requests' outputs as they change, until each has finished (a synchronous stream)."""
+        pending = set(request_ids)
+        while pending:
+            for out in self.poll(sorted(pending), POLL_S):
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
 
     def results(self, request_ids: Sequence[str], on_finished: Callable[[RequestOutput], None] | None = None
                 ) -> dict[str, RequestOutput]:

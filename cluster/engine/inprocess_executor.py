@@ -15,7 +15,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import torch
+
 from cluster.background import SerialThread
+from cluster.config import RaysampleConfig
 from cluster.engine.executor import Executor, StepFailure, StepRaised, WorkersLost
 from workers.sample.sampler_errors import LogitsProcessorError
 from workers.step.compute_thread import abandon_compute_thread
@@ -23,6 +26,16 @@ from workers.step.worker import Worker
 from workers.wire import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
+
+
+def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
+    """A GPU when the config asks for one; asking for one that this process cannot see is an error."""
+    if config.cluster.gpus_per_worker > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"cluster.gpus_per_worker={config.cluster.gpus_per_worker} but no GPU is visible "
+                               "to this process; set it to 0 to run on CPU")
+        return torch.device("cuda", worker_id % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 class InProcessExecutor(Executor):

@@ -1,160 +1,103 @@
-"""The whole engine in one process: coordinator and workers as plain objects.
-
-Same step loop as the Ray deployment (which only hosts these objects in
-actors); used by most tests and by single-machine runs.
-"""
+"""The whole engine in one process, stepped by its callers: the same ``EngineCore`` as the Ray deployment
+(which steps it on a thread of its own, ``cluster.ray.step_loop``); used by most tests and by single-machine runs."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from cluster.config import RaysampleConfig, resolve
-from cluster.engine import engine_step
-from cluster.engine.engine_api import POLL_S, RequestAPI, take_ready
-from cluster.engine.engine_step import EngineFault
-from cluster.engine.inprocess_executor import InProcessExecutor
+from cluster.config import RaysampleConfig
+from cluster.engine.engine_api import POLL_S, RequestAPI
+from cluster.engine.engine_core import EngineCore, NewRequest
+from cluster.engine.inprocess_executor import InProcessExecutor, local_device
 from cluster.engine.prompts import Params, Prompt, PromptInput, as_prompt, params_per_prompt
-from coordinator.factory import coordinator_from_config
+from cluster.preflight import prepare_run
+from cluster.engine.setup import coordinator_from_config, worker_setup
 from coordinator.request import RequestOutput
 from processors import SamplingParams
 from workers.step.threads import set_cpu_threads
 from workers.step.worker import Worker
-
-logger = logging.getLogger(__name__)
-
-
-def local_device(config: RaysampleConfig, worker_id: int) -> torch.device:
-    """A GPU when the config asks for one; asking for one that this process cannot see is an error."""
-    if config.cluster.gpus_per_worker > 0:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"cluster.gpus_per_worker={config.cluster.gpus_per_worker} but no GPU is visible "
-                               "to this process; set it to 0 to run on CPU")
-        return torch.device("cuda", worker_id % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 class LocalEngine(RequestAPI):
     """The engine in this process: same API and return types as ``Engine``, stepped by its callers."""
 
     def __init__(self, config: RaysampleConfig | dict[str, Any] | str | Path) -> None:
-        """``config``: resolved by an entry point (``cluster.config.resolve``), or resolved here once when
-        this engine is where the run starts."""
+        """``config``: prepared by an entry point (``prepare_run``), or here where the run starts with it."""
         from cluster.memory import plan_in_process
 
-        config = resolve(config)
-        if config.cluster.num_engines > 1:
-            from cluster.preflight import local_engines_message
-
-            raise ValueError(local_engines_message(config))
-        if config.model.tensor_parallel_size > 1:
-            from cluster.preflight import check_tensor_parallel
-
-            check_tensor_parallel(config, local=True)
+        config = prepare_run(config, local=True)
         self.model_path = config.facts.path
         self.config, kv_note = plan_in_process(config)  # before any worker allocates
         if local_device(self.config, 0).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             set_cpu_threads()  # the workers run one after another here: each may use every usable core
-        cluster = self.config.cluster
-        self.executor = InProcessExecutor(
-            lambda i: Worker.from_config(i, self.config, local_device(self.config, i)),
-            cluster.num_workers, cluster.call_timeout_s, cluster.max_worker_replacements)
-        num_blocks = min(w.runner.num_blocks for w in self.workers)
-        self.coordinator = coordinator_from_config(self.config, num_blocks, self.workers[0].runner.block_size)
-        self.coordinator.kv_note = kv_note
-        logger.info("%s", self.coordinator.kv_summary())
-        self._outputs: dict[str, list[RequestOutput]] = {}  # made by steps, not yet polled
-        self.fatal: str | None = None  # the engine failed (``EngineFault``): it takes no more requests
+        cluster, setup = self.config.cluster, worker_setup(self.config)
+        executor = InProcessExecutor(lambda i: Worker.from_setup(i, setup, local_device(self.config, i)),
+                                     cluster.num_workers, cluster.call_timeout_s, cluster.max_worker_replacements)
+        workers = list(executor.workers.values())
+        coordinator = coordinator_from_config(self.config, min(w.runner.num_blocks for w in workers),
+                                              workers[0].runner.block_size, kv_note=kv_note)
+        self.core = EngineCore(self.config, executor, coordinator)
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.coordinator.tokenizer
+    coordinator = property(lambda self: self.core.coordinator)
+    executor = property(lambda self: self.core.executor)
+    tokenizer = property(lambda self: self.core.coordinator.tokenizer)
+    workers = property(lambda self: list(self.core.executor.workers.values()))
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     final_only: bool = False) -> str:
         """``final_only``: no intermediate outputs for this request (``generate`` asks so)."""
-        if self.fatal is not None:
-            raise EngineFault(self.fatal)
-        return self.coordinator.add_request(as_prompt(prompt), params, request_id, final_only=final_only)
+        return self.core.add_requests([NewRequest(as_prompt(prompt), params, request_id)], final_only)[0]
 
     def abort(self, request_id: str) -> bool:
-        return self.coordinator.abort(request_id)
+        return self.core.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.coordinator.has_unfinished()
-
-    @property
-    def workers(self) -> list[Worker]:
-        return list(self.executor.workers.values())
-
-    @property
-    def replacements(self) -> int:
-        return self.executor.replacements
+        return self.core.coordinator.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step (``cluster.engine.engine_step``); returns the outputs of requests that changed."""
-        outputs: list[RequestOutput] = []
-        try:
-            done = engine_step.step(self.coordinator, self.executor, outputs.extend)
-        except EngineFault as exc:  # every pending request fails as retryable; no new one is taken
-            self.fatal = str(exc)
-            outputs.extend(self.coordinator.fail_all(self.fatal))
-            self._buffer(outputs)
-            raise
-        if done is None:
-            self.coordinator.wait_for_grammars(0.05)
-        return outputs + self.coordinator.take_outputs()
+        """One engine step; the outputs of the requests that changed since the last step or poll."""
+        self._advance()
+        return self.core.drain()
+
+    def _advance(self) -> bool:
+        """One step; True when there was nothing to run (a constraint may be compiling: wait a little)."""
+        if self.core.step() is not None:
+            return False
+        self.core.coordinator.wait_for_grammars(0.05)
+        return True
 
     def stats(self) -> dict[str, Any]:
-        m, c = self.coordinator.metrics, self.coordinator
-        return {"running": c.num_running(), "waiting": c.num_waiting(), "workers_alive": len(self.workers),
-                "steps": m.steps, "generated_tokens": m.generated_tokens, "tokens_per_s": m.generation_rate.rate(),
-                "spec_acceptance": m.spec_acceptance, "ahead_rows": m.ahead_rows,
-                "ahead_wasted_rows": m.ahead_wasted_rows, **c.kv_stats(), "kv_cache": c.kv_summary()}
+        return self.core.stats()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.core.executor.shutdown()
 
     # ----- the RequestAPI primitives (submit, results and generate come from there) -----
 
     def submit_many(self, prompts: Sequence[PromptInput], sampling_params: Params = None,
                     request_ids: Sequence[str | None] | None = None, final_only: bool = False) -> list[str]:
-        prompts = [as_prompt(p) for p in prompts]
         params = params_per_prompt(sampling_params, len(prompts))
-        with self.coordinator.submitting_together():
-            return [self.add_request(p, sp, rid, final_only=final_only)
-                    for p, sp, rid in zip(prompts, params, request_ids or [None] * len(prompts))]
+        return self.core.add_requests([NewRequest(as_prompt(p), sp, rid) for p, sp, rid in
+                                       zip(prompts, params, request_ids or [None] * len(prompts))], final_only)
 
     def poll(self, request_ids: Sequence[str], timeout_s: float = POLL_S, finished_only: bool = False
              ) -> list[RequestOutput]:
-        """As ``Engine.poll``, stepping the engine here until one of these requests has an output."""
-        wanted = list(request_ids)
-        deadline = time.monotonic() + timeout_s
-        stepped = False  # step at least once, whatever the timeout
+        """As ``Engine.poll``, stepping the engine here (at least once) until one of these has an output."""
+        wanted, deadline, stepped, idle = list(request_ids), time.monotonic() + timeout_s, False, False
         while True:
-            self._buffer(self.coordinator.take_outputs())  # finished without a step: errors, aborts
-            ready = take_ready(self._outputs, wanted, finished_only)
+            ready = self.core.take_ready(wanted, finished_only)
             if ready:
                 return ready
-            known = self.coordinator.requests
-            gone = [rid for rid in wanted if rid not in known or known[rid].finished]
-            if len(gone) == len(wanted):
-                raise KeyError(f"unknown request id(s), or their final outputs were already delivered: {gone}")
+            if idle and self.core.all_finished(wanted):  # a step with nothing to run published everything
+                raise KeyError(f"unknown request id(s), or their final outputs were already delivered: {wanted}")
             if stepped and time.monotonic() >= deadline:
                 return []
-            self._buffer(self.step())
-            stepped = True
-
-    def _buffer(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._outputs.setdefault(out.request_id, []).append(out)
+            idle, stepped = self._advance(), True
 
     async def stream(self, prompt: PromptInput, sampling_params: Params = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -170,14 +113,3 @@ class LocalEngine(RequestAPI):
         finally:
             if not finished:
                 self.abort(request_id)
-
-    def run(self, request_ids: Sequence[str]) -> Iterator[RequestOutput]:
-        """Step until these requests finish, yielding their outputs as they change (synchronous stream)."""
-        self._buffer(self.coordinator.take_outputs())
-        known = self.coordinator.requests
-        pending = {rid for rid in request_ids if rid in self._outputs or (rid in known and not known[rid].finished)}
-        while pending:
-            for out in self.poll(sorted(pending), 0.0):
-                if out.finished:
-                    pending.discard(out.request_id)
-                yield out

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.config import RaysampleConfig, resolve
+from cluster.config import RaysampleConfig
+from cluster.preflight import prepare_run
 from cluster.ray.engine_handle import EngineError, EngineGone, EngineHandle, with_engine_name
 from cluster.ray.ray_cluster import check_cluster_resources, ensure_ray
 
@@ -30,7 +31,7 @@ class Engine(EngineHandle):
         """
         from cluster.ray.memory_on_ray import plan_on_ray
 
-        config = with_engine_name(resolve(source))
+        config = with_engine_name(prepare_run(source, local=False))
         ensure_ray(config)
         config, kv_note = plan_on_ray(config)
         check_cluster_resources(config)

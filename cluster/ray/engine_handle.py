@@ -63,11 +63,12 @@ def _release(placement: Any, workers: list[Any]) -> None:
     ray.util.remove_placement_group(placement)
 
 
-def with_engine_name(config: RaysampleConfig) -> RaysampleConfig:
-    """The config with its engine name set: a fresh unique one unless the config names it."""
-    if config.cluster.coordinator_name:
+def with_engine_name(config: RaysampleConfig, prefix: str | None = None) -> RaysampleConfig:
+    """The config with its engine name set: the one it names, else a fresh unique one; with ``prefix`` (one of a
+    dataset's engines, ``cluster.entrypoints.data``) always a fresh one under that prefix."""
+    if config.cluster.coordinator_name and prefix is None:
         return config
-    name = f"raysample-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix or 'raysample'}-{uuid.uuid4().hex[:8]}"
     return config.model_copy(update={"cluster": config.cluster.model_copy(update={"coordinator_name": name})})
 
 
@@ -87,7 +88,7 @@ class EngineHandle(RequestAPI):
         """One engine, on a Ray already joined, under the config's (set) name. ``kv_note``: where its
         workers' KV budget came from (``cluster.memory``), for the start-up line."""
         from cluster.ray.coordinator_actor import CoordinatorActor
-        from coordinator.factory import shippable_tokenizer
+        from cluster.engine.setup import shippable_tokenizer
 
         name, namespace = config.cluster.coordinator_name, config.cluster.namespace
         if _engine_exists(name, namespace):

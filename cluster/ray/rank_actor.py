@@ -40,6 +40,7 @@ class RankActor:
         """``config``: the run's resolved configuration (``cluster.config.resolve``), as the driver built it."""
         from cluster.memory import check_device_memory
         from workers.model.tensor_parallel import join_group
+        from cluster.engine.setup import worker_setup
         from workers.step.worker import build_runner
 
         with collection_paused():  # until the heap is frozen at the end
@@ -47,7 +48,7 @@ class RankActor:
             check_device_memory(config, device)  # before any weight loads
             if config.model.simulate is None:  # simulated ranks only sleep: no collectives to meet
                 join_group(rank, device, config.cluster.startup_timeout_s)  # meets the lead and the other ranks
-            self.runner = build_runner(config, device)
+            self.runner = build_runner(worker_setup(config), device)
             freeze_startup_heap()  # this actor's process is the engine's own
 
     def ready(self) -> bool:

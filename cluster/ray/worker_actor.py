@@ -82,6 +82,7 @@ class WorkerActor:
 
     def _start(self, worker_id: int, config: Any, placement: Any) -> None:
         from cluster.memory import check_device_memory
+        from cluster.engine.setup import worker_setup
         from workers.step.worker import Worker
 
         device = prepare_process(config)
@@ -100,7 +101,7 @@ class WorkerActor:
             if config.model.simulate is None:
                 join_group(TensorRank(0, size, address), device, config.cluster.startup_timeout_s)
             followers = RayFollowers(self.followers, config.cluster.call_timeout_s)
-        self.worker = Worker.from_config(worker_id, config, device, followers=followers)
+        self.worker = Worker.from_setup(worker_id, worker_setup(config), device, followers=followers)
         if size > 1:
             loading.set()
         self.device = str(device)

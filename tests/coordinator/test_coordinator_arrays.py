@@ -21,7 +21,7 @@ from cluster.config import load_config, resolve
 from cluster.engine.audit import check_consistency
 from coordinator.coordinator import Coordinator
 from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelInfo
-from coordinator.factory import coordinator_from_config
+from cluster.engine.setup import coordinator_from_config
 from coordinator.spec.ngram_drafter import NgramDrafter
 from processors import SamplingParams
 from workers.doubles.fake_runner import RandomLogitsRunner

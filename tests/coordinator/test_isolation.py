@@ -77,7 +77,7 @@ def test_a_hung_processor_is_abandoned_and_its_request_found(clean, monkeypatch)
     for i, out in enumerate(outs[: len(PROMPTS)]):
         assert out.error is None and out.token_ids == clean[i], (i, out.error)
     assert "made the engine fail on its own" in outs[-1].error and "hung (no answer in 2s)" in outs[-1].error
-    assert eng.replacements <= 1
+    assert eng.executor.replacements <= 1
     assert eng.generate("Hello there", innocent(0))[0].token_ids == clean[0]
 
 

@@ -20,13 +20,22 @@ import torch
 from workers.cpu import host_memory, native_attention
 from workers.cpu.cpu_fusion import fuse_cpu_layers
 from workers.cpu.cpu_linear import prepack_available
-from workers.cpu.row_tiles import DEFAULT_TILE, fix_row_counts, in_tiles
+from workers.cpu.row_tiles import fix_row_counts, in_tiles
 from workers.model.attention_probe import verify_once
 from workers.model.decode_layout import block_major_layout
-from workers.model.lora import LoraLimits, LoraManager
+from workers.host_cache import cache_root
+from workers.model.lora import LoraManager
 from workers.model.memory_plan import GpuMemoryPlan
 from workers.model.merged_layers import merge_layers
 from workers.model.model_support import check_model_config, kv_geometry, resolved_max_model_len
+from workers.model.runner_config import RunnerConfig
+from workers.model.runner_options import (
+    default_block_size,
+    resolve_dtype,
+    sharded_loading,
+    use_flex_attention,
+    use_native_decode,
+)
 from workers.model.paged_attention import (
     ATTENTION_NAME,
     SHORT_QUERY_LIMIT,
@@ -40,7 +49,7 @@ from workers.model.paged_attention import (
     register_paged_attention,
 )
 from workers.model.static_decode import StaticDecoder, decode_mode
-from workers.model.tensor_parallel import check_divisible, shard_bytes, smallest_over_ranks
+from workers.model.tensor_parallel import shard_bytes, smallest_over_ranks
 from workers.model.tiny import random_model, random_weights_seed
 from workers.row_work import RowWork
 
@@ -50,199 +59,151 @@ INVARIANT_QUERIES_PER_ROW = 1  # batch-invariant CPU attention: each query a row
 MASK_LIMIT = 1 << 22  # rows x queries x keys of one padded prefill group (a 4 MiB boolean mask)
 
 
-def sharded_loading(model_config: Any, size: int) -> dict:
-    """``from_pretrained`` arguments that load this rank's shard (none without tensor parallelism)."""
-    if size == 1:
-        return {}
-    import torch.distributed as dist
-    from transformers.distributed import DistributedConfig
-
-    check_divisible(model_config, size)
-    if not dist.is_initialized() or dist.get_world_size() != size:
-        raise RuntimeError(f"tensor_parallel_size={size}: join the rank's process group first "
-                           "(workers.model.tensor_parallel.join_group)")
-    return {"distributed_config": DistributedConfig(tp_size=size)}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
-
-
-def default_block_size(device: torch.device, native_decode: bool) -> int:
-    """16, as vLLM: prefix-cache hits land on 16-token boundaries (a chat template's shared system
-    prompt is often 20-30 tokens). 64 for CPU decode attention in torch, which reads whole blocks
-    and pays for many tiny products more than for the padding of larger ones."""
-    return 64 if device.type == "cpu" and not native_decode else 16
-
-
-def use_flex_attention(choice: str, device: torch.device) -> bool:
-    """Whether every step's attention runs in FlexAttention (``workers.model.flex_paged``): ``auto`` on CUDA."""
-    return choice == "flex" or (choice == "auto" and device.type == "cuda")
-
-
-def use_native_decode(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention runs in the C++ CPU kernel: ``auto`` where it applies and builds."""
-    if choice in ("torch", "flex"):
-        return False
-    if choice not in ("auto", "native"):
-        raise ValueError(f"decode_attention must be auto, native, flex or torch, got {choice!r}")
-    if not native_attention.supports(device, dtype):
-        if choice == "native":
-            raise ValueError(f"decode_attention=native runs on CPU with float32 or bfloat16, not {device.type} "
-                             f"with {dtype}; use auto or torch")
-        return False
-    if choice == "native":
-        native_attention.load()  # raises NativeKernelUnavailable with the compiler's reason
-        return True
-    return native_attention.available()
-
-
 class ModelRunner:
     """Holds one model replica and its paged KV cache; runs packed forward passes."""
 
     static: StaticDecoder | None = None  # fixed-shape decode steps, once the cache exists
 
     def __init__(self, model_path: str | Path, device: torch.device | str, dtype: str = "auto",
-                 max_model_len: int | None = None, trust_remote_code: bool = False,
-                 prepack_cpu_weights: bool = True, block_size: int | None = None,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_rows: int = 64, verify: bool = True, decode_attention: str = "auto",
-                 spare_blocks: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
-                 cudagraph_capture_sizes: list[int] | None = None, merge_projections: bool | None = None,
-                 model_config: Any = None, max_step_tokens: int = 2048, max_logit_rows: int | None = None,
-                 batch_invariant: bool = True, row_tile: int = DEFAULT_TILE, lora: LoraLimits | None = None) -> None:
-        """``spare_blocks``: blocks beyond the budget that no request gets, where a forward launched
-        ahead writes the token of a row entering a block the coordinator has not yet given it
-        (``workers.step.ahead``); ``copy_blocks`` moves it there once the plan names the block.
-        ``tensor_parallel_size`` > 1: this process is one rank of a group that has joined its
-        ``torch.distributed`` group (``workers.model.tensor_parallel``); it holds that rank's shard and heads.
-        ``enforce_eager``: vLLM's switch for the fixed-shape decode forward (``workers.model.static_decode``):
-        unset, CUDA graphs on CUDA and the variable-shape forward on CPU. ``merge_projections``: Llama-style
-        layers in fewer operators (``workers.model.merged_layers``); unset, wherever the CPU's own fusion is not used.
-        ``model_config``: the Hugging Face config the run already read (``workers.model.model_facts``); a copy
-        is loaded with, since loading sets fields on it. ``max_step_tokens`` (the scheduler's token budget) and
-        ``max_logit_rows`` (rows that sample, drafts included; unset, ``max_rows``): the most rows a linear layer
-        and the LM head see in one step. ``batch_invariant`` (CPU, one rank): every linear called with exactly
-        ``row_tile`` rows (``workers.cpu.row_tiles``) and every query attended in the native kernel, so a row's
-        bits depend neither on its batch nor on its prompt's chunking; False leaves the linears as a GPU runs
-        them (benches that count a GPU's operators on CPU, and the measure of what the construction costs).
-        ``lora``: serve LoRA adapters per request (``workers.model.lora``): each projection stays a module of
-        its own, and steps run eager (a step's adapters group its tokens by value)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+                 model_config: Any = None, **settings: Any) -> None:
+        """A runner from its settings given one by one (``RunnerConfig``'s fields; ``model_config`` is its
+        ``hf_config``), as tests and benches build one; an engine's workers use ``from_config``."""
+        self._build(RunnerConfig(str(model_path), dtype, hf_config=model_config, **settings), torch.device(device))
 
+    @classmethod
+    def from_config(cls, config: RunnerConfig, device: torch.device | str) -> ModelRunner:
+        runner = cls.__new__(cls)
+        runner._build(config, torch.device(device))
+        return runner
+
+    def _build(self, config: RunnerConfig, device: torch.device) -> None:
+        """Load the model, size and allocate the KV cache, then fix the layers that serve."""
         register_paged_attention()
-        self.device = torch.device(device)
+        self.device = device
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()  # each step's logits and activations reuse the heap's pages
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.lora: LoraManager | None = None  # installed once the model's layers are final
-        if model_config is None:  # built on its own (tests, benches); an engine hands down the config it read
-            model_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
-        seed = random_weights_seed(model_path)
+        self.model = self._load(config)
+        hf_config = self.model.config
+        tp = config.tensor_parallel_size
+        self.native_decode = use_native_decode(config.decode_attention, self.device, self.dtype)
+        self.flex = use_flex_attention(config.decode_attention, self.device)
+        self.batch_invariant = config.batch_invariant and self.device.type == "cpu" and tp == 1
+        self.vocab_size = hf_config.vocab_size
+        self.block_size = config.block_size or default_block_size(self.device, self.native_decode)
+        self.num_layers, kv_heads, self.head_dim = kv_geometry(hf_config)
+        self.kv_heads = kv_heads // tp  # this rank's heads
+        static_mode = None if config.lora is not None else decode_mode(config.enforce_eager, self.device, tp)
+        per_block = self._size_cache(config, static_mode)
+        self.last_step: PackedStep | None = None
+        self.cache: PagedKVCache | None = None
+        if config.verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
+            verify_once(self, config.model_path, config.trust_remote_code)
+        # One more block where a fixed-shape decode's padding rows write (no request owns it).
+        pad_blocks = 1 if static_mode else 0
+        self.cache = PagedKVCache(self.num_layers, self.num_blocks + config.spare_blocks + pad_blocks,
+                                  self.block_size, self.kv_heads, self.head_dim, self.dtype, self.device)
+        self.spare_blocks = list(range(self.num_blocks, self.num_blocks + config.spare_blocks))
+        self.weight_bytes = shard_bytes(self.model)
+        self.kv_bytes = (self.num_blocks + config.spare_blocks) * per_block
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
+                    self.block_size, self.num_blocks * per_block / 2**20, self.device,
+                    "native CPU kernel" if self.native_decode else "FlexAttention" if self.flex else "torch")
+        self._serving_layers(config, static_mode)
+        if static_mode:
+            self._capture(config, static_mode)
+        # What the finished runner computes for a fixed probe: an engine-wide fault found later (a step
+        # that fails every request) is told from a request's own by computing it again (``self_check``).
+        self._fingerprint: torch.Tensor | None = None
+        if tp == 1:
+            problem = self.self_check()
+            if problem is not None:
+                raise RuntimeError(f"the model cannot serve: {problem}")
+
+    def _load(self, config: RunnerConfig) -> torch.nn.Module:
+        """The model on the device with the paged attention: its weights, or a bench shape's random ones."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = config.hf_config
+        if hf_config is None:  # built on its own (tests, benches); an engine hands down the config it read
+            hf_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code)
+        seed = random_weights_seed(config.model_path)
         if seed is not None:  # a bench shape (workers.model.tiny): its weights are built here, from the seed
-            if tensor_parallel_size > 1:
-                raise ValueError(f"{model_path} holds no weights (random weights built on each device): "
+            if config.tensor_parallel_size > 1:
+                raise ValueError(f"{config.model_path} holds no weights (random weights built on each device): "
                                  "it cannot be sharded across tensor-parallel ranks")
-            model = random_model(copy.deepcopy(model_config), seed, self.dtype, self.device)
+            model = random_model(copy.deepcopy(hf_config), seed, self.dtype, self.device)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), config=copy.deepcopy(model_config), dtype=self.dtype,
-                trust_remote_code=trust_remote_code, **sharded_loading(model_config, tensor_parallel_size),
-            )
-        config = model.config
-        self.max_model_len = resolved_max_model_len(config, max_model_len)
-        check_model_config(config, self.max_model_len)
+                config.model_path, config=copy.deepcopy(hf_config), dtype=self.dtype,
+                trust_remote_code=config.trust_remote_code,
+                **sharded_loading(hf_config, config.tensor_parallel_size))
+        self.max_model_len = resolved_max_model_len(model.config, config.max_model_len)
+        check_model_config(model.config, self.max_model_len)
         try:
             model.set_attn_implementation(ATTENTION_NAME)
         except Exception as exc:
             raise UnsupportedAttention(
                 f"{type(model).__name__} does not accept a custom attention function ({exc})"
             ) from None
-        self.model = model.to(self.device).eval()
-        self.native_decode = use_native_decode(decode_attention, self.device, self.dtype)
-        self.flex = use_flex_attention(decode_attention, self.device)
-        self.batch_invariant = batch_invariant and self.device.type == "cpu" and tensor_parallel_size == 1
-        self.vocab_size = config.vocab_size
-        self.block_size = block_size or default_block_size(self.device, self.native_decode)
-        self.num_layers, kv_heads, self.head_dim = kv_geometry(config)
-        self.kv_heads = kv_heads // tensor_parallel_size  # this rank's heads
-        block_size = self.block_size
-        per_block = PagedKVCache.bytes_per_block(self.num_layers, block_size, self.kv_heads, self.head_dim, self.dtype)
-        min_blocks = -(-self.max_model_len // block_size)  # one sequence of max_model_len
-        static_mode = None if lora is not None else decode_mode(enforce_eager, self.device, tensor_parallel_size)
+        return model.to(self.device).eval()
+
+    def _size_cache(self, config: RunnerConfig, static_mode: str | None) -> int:
+        """Set ``num_blocks`` from the budget (on a GPU without one: what is left once a step's peak is set
+        aside); returns the bytes of one block."""
+        per_block = PagedKVCache.bytes_per_block(self.num_layers, self.block_size, self.kv_heads, self.head_dim,
+                                                 self.dtype)
+        min_blocks = -(-self.max_model_len // self.block_size)  # one sequence of max_model_len
         activations = 0
-        if self.device.type == "cuda" and kv_cache_memory is None:
-            activations = self._activation_reserve(max_rows, cudagraph_capture_sizes, static_mode == "graphs",
-                                                   max_step_tokens)
-            if lora is not None:  # the adapters' slots, allocated once the cache is
-                activations += lora.buffer_bytes(config, self.dtype.itemsize, tensor_parallel_size)
+        if self.device.type == "cuda" and config.kv_cache_memory is None:
+            activations = self._activation_reserve(config.max_rows, config.cudagraph_capture_sizes,
+                                                   static_mode == "graphs", config.max_step_tokens)
+            if config.lora is not None:  # the adapters' slots, allocated once the cache is
+                activations += config.lora.buffer_bytes(self.model.config, self.dtype.itemsize,
+                                                        config.tensor_parallel_size)
         self.num_blocks = smallest_over_ranks(
-            self._num_blocks(per_block, kv_cache_memory, gpu_memory_utilization, max_rows * min_blocks,
-                             activations))
+            self._num_blocks(per_block, config.kv_cache_memory, config.gpu_memory_utilization,
+                             config.max_rows * min_blocks, activations))
         if self.num_blocks < min_blocks:
             raise ValueError(
-                f"KV cache budget holds {self.num_blocks} blocks of {block_size} tokens "
+                f"KV cache budget holds {self.num_blocks} blocks of {self.block_size} tokens "
                 f"({per_block} bytes each); one sequence of max_model_len={self.max_model_len} needs {min_blocks}: "
-                f"max_model_len={self.num_blocks * block_size} would fit. Raise cache.kv_cache_memory / "
+                f"max_model_len={self.num_blocks * self.block_size} would fit. Raise cache.kv_cache_memory / "
                 "cache.gpu_memory_utilization or lower model.max_model_len."
             )
-        self.last_step: PackedStep | None = None
-        self.cache: PagedKVCache | None = None
-        if verify:  # before the cache: the probe has a small cache of its own, and may copy the weights
-            verify_once(self, model_path, trust_remote_code)
-        # One more block where a fixed-shape decode's padding rows write (no request owns it).
-        pad_blocks = 1 if static_mode else 0
-        self.cache = PagedKVCache(self.num_layers, self.num_blocks + spare_blocks + pad_blocks, block_size,
-                                  self.kv_heads, self.head_dim, self.dtype, self.device)
-        self.spare_blocks = list(range(self.num_blocks, self.num_blocks + spare_blocks))
-        self.weight_bytes = shard_bytes(self.model)
-        self.kv_bytes = (self.num_blocks + spare_blocks) * per_block
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s; decode attention: %s", self.num_blocks,
-                    block_size, self.num_blocks * per_block / 2**20, self.device,
-                    "native CPU kernel" if self.native_decode else "FlexAttention" if self.flex else "torch")
-        # After the check: prepacked and fused layers are exact to rounding (fused ones bit for bit
-        # against prepacked ones), and the check compares attention. Not on a tensor-parallel shard:
-        # transformers' collectives hang on the linear modules that fusion would replace.
-        # The compiled fixed-shape decode traces the model's layers as a GPU runs them: no fused or prepacked
-        # CPU layers (its attention is the native kernel, one opaque operator).
-        cpu_fused = (prepack_cpu_weights and prepack_available(self.device, self.dtype) and tensor_parallel_size == 1
-                     and static_mode != "compiled" and not merge_projections)
+        return per_block
+
+    def _serving_layers(self, config: RunnerConfig, static_mode: str | None) -> None:
+        """After the load-time check: the layers as they serve. Prepacked and fused CPU layers are exact to
+        rounding (fused ones bit for bit against prepacked ones). Not on a tensor-parallel shard: transformers'
+        collectives hang on the linear modules that fusion would replace. The compiled fixed-shape decode traces
+        the layers as a GPU runs them: no fused or prepacked CPU layers (its attention is one opaque operator)."""
+        lora, tp, merge = config.lora, config.tensor_parallel_size, config.merge_projections
+        cpu_fused = (config.prepack_cpu_weights and prepack_available(self.device, self.dtype) and tp == 1
+                     and static_mode != "compiled" and not merge)
         if cpu_fused:
             fuse_cpu_layers(self.model, projections=lora is None)
-        if merge_projections is None:
-            merge_projections = (self.device.type != "cpu" or static_mode == "compiled") and lora is None
-        if merge_projections and not cpu_fused and tensor_parallel_size == 1:
+        if merge is None:
+            merge = (self.device.type != "cpu" or static_mode == "compiled") and lora is None
+        if merge and not cpu_fused and tp == 1:
             merge_layers(self.model, paged_attention)
         if self.batch_invariant:
-            from workers.host_cache import cache_root
-
-            fix_row_counts(self.model, row_tile, cache_root() / "row-tiles")
+            fix_row_counts(self.model, config.row_tile, cache_root() / "row-tiles")
         if lora is not None:
-            tiled = (lambda compute, rows: in_tiles(compute, rows, row_tile)) if self.batch_invariant else None
-            self.lora = LoraManager(self.model, config, self.dtype, self.device, lora, tiled)
+            tile = config.row_tile
+            tiled = (lambda compute, rows: in_tiles(compute, rows, tile)) if self.batch_invariant else None
+            self.lora = LoraManager(self.model, self.model.config, self.dtype, self.device, lora, tiled)
             if self.batch_invariant:
-                from workers.host_cache import cache_root
-
                 self.lora.check_slots(cache_root() / "row-tiles")
-        if static_mode:
-            self.static = StaticDecoder(self, static_mode, max_rows, cudagraph_capture_sizes)
-            self.static.capture()
-            problem = self.static.disagreement() if static_mode == "graphs" and self.static.graphs else None
-            if problem is not None:  # never served wrongly: the variable-shape forward serves every step
-                logger.warning("CUDA graphs not used: %s; every step runs eager", problem)
-                self.static = None
-        # What the finished runner computes for a fixed probe: an engine-wide fault found later (a step
-        # that fails every request) is told from a request's own by computing it again (``self_check``).
-        self._fingerprint: torch.Tensor | None = None
-        if tensor_parallel_size == 1:
-            problem = self.self_check()
-            if problem is not None:
-                raise RuntimeError(f"the model cannot serve: {problem}")
+
+    def _capture(self, config: RunnerConfig, static_mode: str) -> None:
+        self.static = StaticDecoder(self, static_mode, config.max_rows, config.cudagraph_capture_sizes)
+        self.static.capture()
+        problem = self.static.disagreement() if static_mode == "graphs" and self.static.graphs else None
+        if problem is not None:  # never served wrongly: the variable-shape forward serves every step
+            logger.warning("CUDA graphs not used: %s; every step runs eager", problem)
+            self.static = None
 
     def self_check(self) -> str | None:
         """None when this runner still computes its start-up probe (a short prompt in two prefill chunks and

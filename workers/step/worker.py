@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from workers.host_cache import set_lock_timeout
-from workers.model.lora import AdapterUnavailable, LoraLimits
+from workers.model.lora import AdapterUnavailable
 from workers.model.model_runner import ModelRunner
 from workers.model.static_decode import decode_mode
 from workers.model.tensor_parallel import Followers, LeadRunner
@@ -33,6 +34,7 @@ from workers.sample.sampler_errors import LogitsProcessorError
 from workers.step.ahead import Forwards, Logits, guess_next
 from workers.step.compute_thread import compute_thread
 from workers.step.mirror import BatchMirror
+from workers.step.worker_setup import WorkerSetup
 from workers.wire import StepPlan, StepResult, offsets_of
 
 # KV blocks beyond the budget for the pipelined step, one per row the worker holds up to this many:
@@ -73,35 +75,25 @@ class Worker:
         return None if check is None else compute_thread().run(check)
 
     @classmethod
-    def from_config(cls, worker_id: int, config: Any, device: torch.device | str,
-                    followers: Followers | None = None) -> Worker:
-        """Build from a resolved ``RaysampleConfig`` (``cluster.config.resolve``: the model's facts are in
-        ``config.facts``). ``followers``: the other ranks of this
-        worker's tensor-parallel group, which joined its process group with this one (the lead)."""
-        runner = compute_thread().run(build_runner, config, device)
-        facts = config.facts
+    def from_setup(cls, worker_id: int, setup: WorkerSetup, device: torch.device | str,
+                   followers: Followers | None = None) -> Worker:
+        """Build from the run's worker record (``cluster.engine.setup.worker_setup``). ``followers``: the other
+        ranks of this worker's tensor-parallel group, which joined its process group with this one (the lead)."""
+        runner = compute_thread().run(build_runner, setup, device)
         if followers is not None:
             runner = LeadRunner(runner, followers)
+        reasoning = setup.sampler.reasoning
         tokenizer = None
-        if config.reasoning is not None:
+        if reasoning is not None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(facts.tokenizer, trust_remote_code=facts.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(reasoning.tokenizer, trust_remote_code=reasoning.trust_remote_code)
 
         def make_sampler() -> Sampler:
-            from processors.builtins.thinking_budget import maybe_thinking_budget_holder
-
-            thinking = maybe_thinking_budget_holder(config.reasoning, tokenizer, config.scheduler.max_num_seqs, device)
-            engine_config = config.engine_config(facts.path, runner.vocab_size, runner.max_model_len)
-            sampler = Sampler(engine_config, device, config.custom_processors(), thinking=thinking,
-                              entry_points=config.processors_from_entry_points,
-                              grammar_cache_size=config.structured_outputs.grammar_cache_size)
-            if config.speculative is not None:
-                sampler.check_spec_decode_support()
-            return sampler
+            return build_sampler(setup, runner, tokenizer, device)
 
         return cls(worker_id, runner, compute_thread().run(make_sampler), make_sampler,
-                   launch_ahead=pipelined(config, device))
+                   launch_ahead=pipelined(setup, device))
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
@@ -264,62 +256,51 @@ def _settle(future: Future) -> None:
         pass
 
 
-def pipelined(config: Any, device: torch.device | str) -> bool:
+def build_sampler(setup: WorkerSetup, runner: Any, tokenizer: Any, device: torch.device | str) -> Sampler:
+    """The worker's sampler: its processors built for the runner's vocabulary and length."""
+    from processors.builtins.thinking_budget import maybe_thinking_budget_holder
+
+    spec = setup.sampler
+    thinking = maybe_thinking_budget_holder(spec.reasoning, tokenizer, setup.max_num_seqs, device)
+    model = replace(spec.engine_config.model_config, vocab_size=runner.vocab_size, max_model_len=runner.max_model_len)
+    sampler = Sampler(replace(spec.engine_config, model_config=model), device, spec.custom_processors,
+                      thinking=thinking, entry_points=spec.entry_points, grammar_cache_size=spec.grammar_cache_size)
+    if spec.speculative:
+        sampler.check_spec_decode_support()
+    return sampler
+
+
+def pipelined(setup: WorkerSetup, device: torch.device | str) -> bool:
     """Whether each next forward starts before its plan arrives (``scheduler.async_scheduling``)."""
     # Drafts come in the plan, so a step that verifies them cannot be guessed: with speculative
     # decoding every step waits for its plan (the synchronous step), as the docs say.
-    ahead = config.scheduler.async_scheduling
+    ahead = setup.async_scheduling
     if ahead is None:
         # Not where steps replay CUDA graphs: a replay is a few launches, so there is little host
         # work to hide, and a guess that misses a row (an admission) costs a second replay; on an
         # H100 the synchronous step was faster (bench/RESULTS.md, "the step as CUDA graphs").
-        graphs = decode_mode(config.model.enforce_eager, torch.device(device),
-                             config.model.tensor_parallel_size) == "graphs"
-        ahead = config.model.simulate is not None or (torch.device(device).type != "cpu" and not graphs)
-    return ahead and config.speculative is None
+        graphs = decode_mode(setup.runner.enforce_eager, torch.device(device),
+                             setup.runner.tensor_parallel_size) == "graphs"
+        ahead = setup.simulated is not None or (torch.device(device).type != "cpu" and not graphs)
+    return ahead and not setup.sampler.speculative
 
 
-def build_runner(config: Any, device: torch.device | str) -> Any:
+def build_runner(setup: WorkerSetup, device: torch.device | str) -> Any:
     """The model runner of a worker, or of one rank of its tensor-parallel group (every rank the same)."""
-    set_lock_timeout(config.cache.lock_timeout_s)  # kernel builds and probes this process waits for
-    spare = min(config.scheduler.slots_per_worker(), MAX_SPARE_BLOCKS) if pipelined(config, device) else 0
-    if config.model.simulate is not None:
-        return simulated_runner(config, device, spare)
-    facts = config.facts
-    return ModelRunner(
-        facts.path,
-        device,
-        config.model.dtype,
-        max_model_len=facts.max_model_len,
-        trust_remote_code=facts.trust_remote_code,
-        model_config=facts.hf_config,
-        prepack_cpu_weights=config.model.cpu_weight_prepack,
-        block_size=config.cache.block_size,
-        kv_cache_memory=config.cache.kv_cache_memory,
-        gpu_memory_utilization=config.cache.gpu_memory_utilization,
-        max_rows=config.scheduler.slots_per_worker(),
-        decode_attention=config.model.decode_attention,
-        spare_blocks=spare,
-        tensor_parallel_size=config.model.tensor_parallel_size,
-        enforce_eager=config.model.enforce_eager,
-        cudagraph_capture_sizes=config.model.cudagraph_capture_sizes,
-        max_step_tokens=config.scheduler.max_num_batched_tokens,
-        batch_invariant=config.model.batch_invariant,
-        row_tile=config.model.cpu_row_tile,
-        lora=LoraLimits(config.lora.max_loras, config.lora.max_cpu_loras or config.lora.max_loras,
-                        config.lora.max_lora_rank) if config.lora.enabled else None,
-        max_logit_rows=config.scheduler.slots_per_worker() * (1 + (config.speculative.num_speculative_tokens
-                                                                  if config.speculative is not None else 0)),
-    )
+    set_lock_timeout(setup.lock_timeout_s)  # kernel builds and probes this process waits for
+    spare = min(setup.slots_per_worker, MAX_SPARE_BLOCKS) if pipelined(setup, device) else 0
+    if setup.simulated is not None:
+        return simulated_runner(setup, device, spare)
+    return ModelRunner.from_config(replace(setup.runner, spare_blocks=spare), device)
 
 
-def simulated_runner(config: Any, device: torch.device | str, spare_blocks: int = 0) -> Any:
+def simulated_runner(setup: WorkerSetup, device: torch.device | str, spare_blocks: int = 0) -> Any:
     """The config's ``model.simulate`` runner: the source model's vocabulary and length, no weights."""
     from workers.doubles.simulated_runner import SimulatedRunner
 
-    max_model_len = config.facts.max_model_len
-    block_size = config.cache.block_size or 16
-    simulate = config.model.simulate
-    blocks = simulate.num_blocks or config.scheduler.slots_per_worker() * -(-max_model_len // block_size)
-    return SimulatedRunner(simulate.compute_model(config.model.tensor_parallel_size), config.facts.vocab_size,
-                           max_model_len, blocks, block_size, device, spare_blocks=spare_blocks)
+    runner, simulated = setup.runner, setup.simulated
+    max_model_len = runner.max_model_len
+    block_size = runner.block_size or 16
+    blocks = simulated.num_blocks or setup.slots_per_worker * -(-max_model_len // block_size)
+    return SimulatedRunner(simulated.compute, simulated.vocab_size, max_model_len, blocks, block_size, device,
+                           spare_blocks=spare_blocks)

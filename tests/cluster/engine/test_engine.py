@@ -331,7 +331,7 @@ def test_delivered_requests_are_forgotten_so_a_long_lived_engine_stays_flat(engi
 
 
 def test_buffered_outputs_carry_every_delta_in_one_snapshot():
-    from cluster.ray.step_loop import merge_outputs
+    from cluster.engine.engine_core import merge_outputs
     from coordinator.request import CompletionOutput, RequestOutput
 
     def snapshot(tokens, new):
@@ -370,7 +370,6 @@ def test_text_decoded_ahead_while_workers_compute_is_the_text_decoded_at_the_end
     once when they finish: the same text, multi-byte characters, stop strings and n > 1 included."""
     import functools
 
-    import cluster.engine.local_engine as local_engine
     from coordinator.coordinator import Coordinator
 
     prompts = ["Hello there", "café 🙂", "The quick"]
@@ -386,8 +385,10 @@ def test_text_decoded_ahead_while_workers_compute_is_the_text_decoded_at_the_end
         decode_ahead(self)
 
     monkeypatch.setattr(Coordinator, "decode_ahead", counted)
-    monkeypatch.setattr(local_engine.engine_step, "step",
-                        functools.partial(local_engine.engine_step.step, overlap_outputs=True))
+    from cluster.engine import engine_core
+
+    monkeypatch.setattr(engine_core.EngineCore, "step",
+                        functools.partialmethod(engine_core.EngineCore.step, overlap_outputs=True))
     ahead = engine.generate(prompts, params)
     assert len(advanced) > 10 and max(advanced) > 0  # decoded while running, not only at the end
     for want, got in zip(at_the_end, ahead):

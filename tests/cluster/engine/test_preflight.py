@@ -107,3 +107,50 @@ def test_a_processor_package_in_the_current_directory_gets_the_hint_the_console_
     env["PYTHONPATH"] = pythonpath(ROOT, work)
     ran = subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=120, env=env)
     assert ran.returncode == 0 and (work / "out.jsonl").exists(), ran.stderr[-2000:]
+
+
+def test_a_run_reads_its_models_facts_once_on_the_llm_job_and_ray_data_paths(tmp_path, monkeypatch, capsys):
+    """``prepare_run`` is where a run's config is prepared: every entry point calls it once, and what it hands
+    down (the engine, the tokenizer, a dataset's engine stages, the job's formats) reads the facts it read."""
+    import json
+
+    import pyarrow as pa
+    from helpers import run_job_main
+
+    from cluster.entrypoints.data import EngineStage, build_processor
+    from cluster.entrypoints.llm import LLM
+    from processors import SamplingParams
+    from workers.model.model_facts import ModelFacts
+
+    reads: list[str] = []
+    read = ModelFacts.read.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads.append(str(args[0]))
+        return read(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ModelFacts, "read", classmethod(counted))
+    tiny = {"model": {"tiny": "default", "max_model_len": 64}, "cluster": {"num_workers": 1}}
+
+    llm = LLM(config=tiny, local=True)
+    llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.get_tokenizer()
+    llm.shutdown()
+    assert len(reads) == 1, reads
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny))
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"id": 1, "prompt": "a", "sampling_params": {"max_tokens": 2}}) + "\n")
+    done = run_job_main(capsys, "generate", "--local", "--config", str(config), "--input", str(lines),
+                        "--output", str(tmp_path / "out.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert len(reads) == 2, reads
+
+    processor = build_processor(tiny)  # the driver prepares; each engine stage takes what it prepared
+    stage = EngineStage(processor.config)
+    try:
+        assert stage(pa.table({"prompt": ["a"]})).column("error").to_pylist() == [None]
+    finally:
+        stage._shutdown()
+    assert len(reads) == 3, reads

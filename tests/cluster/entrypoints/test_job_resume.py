@@ -155,7 +155,7 @@ class StoppingBackend(FlakyBackend):
         outs = super().poll(request_ids, timeout_s, finished_only)
         if outs:
             self.stopped = True
-            self.inner._buffer(self.inner.coordinator.fail_all("all raysample workers are gone"))
+            self.inner.core.publish(self.inner.coordinator.fail_all("all raysample workers are gone"))
         return outs
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from workers.cpu import native_attention, native_build
 from workers.cpu.native_attention import paged_decode
 from workers.model.decode_layout import MIN_GAP, block_major_layout, choose_segments
-from workers.model.model_runner import use_native_decode
+from workers.model.runner_options import use_native_decode
 from workers.model.paged_attention import _block_major_decode
 
 KV_HEADS, GROUPS, DIM = 2, 2, 8

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import load_config
 from cluster.engine.local_engine import LocalEngine
-from cluster.preflight import PreflightError, preflight
+from cluster.preflight import PreflightError, prepare_run
 from processors import SamplingParams
 from workers.model.model_source import ModelSourceError, check_gguf, gguf_to_transformers, preset_gguf
 
@@ -97,7 +97,7 @@ def test_preflight_names_the_model_problem_before_ray(tmp_path):
     fake.write_bytes(b"NOPE")
     config = load_config({"model": {"path": str(fake)}})
     with pytest.raises(PreflightError, match=r"^model: .*x\.gguf is not a GGUF file"):
-        preflight(config, local=True)
+        prepare_run(config, local=True)
 
 
 def test_unwritable_cache_names_it_and_the_variable(tmp_path):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cluster.config import resolve
-from coordinator.factory import load_tokenizer, shippable_tokenizer
+from cluster.engine.setup import load_tokenizer, shippable_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 TEXTS = ["The capital of France is", "café 你好 <|im_end|> tail", "  two  spaces\tand a tab\n", ""]
@@ -32,7 +32,7 @@ def test_a_coordinator_process_gets_the_drivers_tokenizer_and_facts_without_the_
     shipped.write_bytes(pickle.dumps((config, shippable_tokenizer(config.facts))))
     script = f"""
 import json, pickle, sys
-from coordinator.factory import coordinator_inputs
+from cluster.engine.setup import coordinator_inputs
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_model_facts import tokenizer_facts
 config, tokenizer = pickle.loads(open({str(shipped)!r}, "rb").read())
