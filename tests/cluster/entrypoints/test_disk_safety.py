@@ -367,9 +367,9 @@ def _faulty_forward(monkeypatch, kind: str, after: threading.Event) -> None:
     """Every forward of runners built from now on fails once ``after`` is set (their start-up is sound)."""
     from workers.model.model_runner import ModelRunner
 
-    built = ModelRunner.__init__
+    built = ModelRunner._build  # what every way of making a runner calls
 
-    def init(self, *args, **kwargs):
+    def build(self, *args, **kwargs):
         built(self, *args, **kwargs)
         sound = self.forward
 
@@ -383,7 +383,7 @@ def _faulty_forward(monkeypatch, kind: str, after: threading.Event) -> None:
 
         self.forward = forward
 
-    monkeypatch.setattr(ModelRunner, "__init__", init)
+    monkeypatch.setattr(ModelRunner, "_build", build)
 
 
 @pytest.mark.parametrize("kind", ["nan", "raises"])

@@ -239,16 +239,18 @@ def test_rows_the_variable_forward_refuses_are_refused_alike():
 def test_graphs_run_the_synchronous_step_by_default():
     """Where steps replay CUDA graphs the step waits for its plan unless async_scheduling says otherwise
     (measured faster on an H100); eager GPU workers keep the pipelined step, CPU workers the synchronous one."""
-    from cluster.config import load_config
+    from cluster.engine.setup import worker_setup
+    from cluster.preflight import prepare_run
     from workers.step.worker import pipelined
 
-    def config(**model):
-        return load_config({"model": {"tiny": "default", **model}, "cluster": {"gpus_per_worker": 0}})
+    def config(scheduler=None, **model):
+        return worker_setup(prepare_run({"model": {"tiny": "default", **model}, "cluster": {"gpus_per_worker": 0},
+                                         "scheduler": scheduler or {}}, local=True))
 
     assert not pipelined(config(), "cuda")
     assert pipelined(config(enforce_eager=True), "cuda")
     assert not pipelined(config(), "cpu") and not pipelined(config(enforce_eager=False), "cpu")
-    forced = load_config({"model": {"tiny": "default"}, "scheduler": {"async_scheduling": True}})
+    forced = config({"async_scheduling": True})
     assert pipelined(forced, "cuda")
 
 
