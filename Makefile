@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 # built once), in collection order (no reorder by size: the Ray modules first, tests/conftest.py).
 # Not loadgroup: with pytest 9.2 it no longer groups anything (pytest-dev/pytest-xdist#1386), silently.
 test: $(STAMP)
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # The main job on the embedded default: the real chat model (SmolLM2-135M-Instruct), 2 CPU workers on a private Ray instance.
 run: $(STAMP)
