@@ -66,7 +66,7 @@ else:  # a checkout from before (--before)
 try:
     from workers.wire import TokenLogprobs  # noqa: E402
 except ImportError:  # its home before issue 39 (--before)
-    from workers.sample.sampler import TokenLogprobs  # noqa: E402
+    from workers.wire import TokenLogprobs  # noqa: E402
 
 
 def config(workers: int, mix: str) -> Any:

@@ -419,7 +419,6 @@ class Coordinator:
             last_counts=last_counts,
             update=plan_update,
             shards=shards,
-            all_greedy=bool(table.greedy[slots].all()),
             start=decision.start[slots],
             num_tokens=decision.num_tokens[slots].astype(np.int32),
             block_rows=block_rows,

@@ -22,6 +22,12 @@ MIN_RANDOM_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to thi
 LOGIT_BIAS_LIMIT = 100.0
 
 
+def is_greedy(temperature: float) -> bool:
+    """The one definition of a greedy row (as vLLM's ``SamplingType.GREEDY``): the scheduler, the sampler and
+    the temperature processor all ask this."""
+    return temperature < SAMPLING_EPS
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -173,7 +179,7 @@ class SamplingParams:
         self._verify_args()
         if 0 < self.temperature < MIN_RANDOM_TEMPERATURE:
             self.temperature = MIN_RANDOM_TEMPERATURE
-        if self.temperature < SAMPLING_EPS:
+        if is_greedy(self.temperature):
             # Greedy: the filtering knobs have no effect, so turn them off (as vLLM).
             self.top_p = 1.0
             self.top_k = 0
@@ -251,7 +257,7 @@ class SamplingParams:
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
+        if is_greedy(self.temperature):
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
 

@@ -77,7 +77,6 @@ class StepPlan:
     last_counts: np.ndarray | None
     update: PlanUpdate | None
     shards: np.ndarray  # (workers, 2): each worker's rows [start, stop) after the update, in worker order
-    all_greedy: bool
     start: np.ndarray  # int64 per row after the update
     num_tokens: np.ndarray  # int32 per row
     block_rows: np.ndarray = field(default_factory=lambda: EMPTY)

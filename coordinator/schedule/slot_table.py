@@ -41,7 +41,6 @@ class SlotTable:
         self.salted = np.zeros(capacity, bool)  # takes part in the prefix index
         self.owner = np.zeros(capacity, np.int32)
         self.arrival = np.zeros(capacity, i64)
-        self.greedy = np.zeros(capacity, bool)
         # Accepting a token needs a per-request check: stop token ids, stop strings (detokenized
         # on the critical path), logprobs to keep.
         self.stop_ids = np.zeros(capacity, bool)
@@ -70,7 +69,6 @@ class SlotTable:
         self.salted[slot] = salted
         self.owner[slot] = request.owner
         self.arrival[slot] = request.arrival_seq
-        self.greedy[slot] = params.temperature < 1e-5
         self.stop_ids[slot] = bool(params.stop_token_ids)
         self.stop_text[slot] = bool(params.stop)
         self.wants_logprobs[slot] = request.logprobs is not None

@@ -1,4 +1,4 @@
-"""Temperature scaling; greedy rows (temperature below 1e-5) are left unscaled."""
+"""Temperature scaling; greedy rows (``is_greedy``) are left unscaled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from processors.digest import digest_of
 from processors.interface import BatchUpdate
 from processors.row_columns import RowColumns, apply_on_rows, upload
 from processors.rowwise_processor import RowwiseLogitsProcessor
-from processors.sampling_params import SAMPLING_EPS
+from processors.sampling_params import is_greedy
 
 
 class TemperatureLogitsProcessor(RowwiseLogitsProcessor):
@@ -26,7 +26,7 @@ class TemperatureLogitsProcessor(RowwiseLogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def values(params, _, __):
             t = params.temperature
-            return None if t < SAMPLING_EPS or t == 1.0 else {"temperature": t}
+            return None if is_greedy(t) or t == 1.0 else {"temperature": t}
 
         self.rows.update(batch_update, values)
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from workers.sample.sampler import Sampler
+from workers.sample.sampler_errors import row_errors
 from workers.wire import TokenLogprobs
 
 
@@ -93,7 +94,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
                 row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
             is_active = torch.zeros(n, dtype=torch.bool, device=row_max.device)
             is_active[torch.from_numpy(active).to(row_max.device)] = True
-            bad_here = sampler.row_errors(row_max, rows, tracker, only=is_active, model_faults=model_faults)
+            bad_here = row_errors(row_max, rows, tracker, only=is_active, model_faults=model_faults)
             if bad_here:
                 for row, message in bad_here.items():
                     errors.setdefault(row, message)

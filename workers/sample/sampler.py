@@ -1,13 +1,14 @@
 """The sampler: every sampling feature is a ``LogitsProcessor`` on one BatchUpdate stream.
 
-Order, as vLLM's ``Sampler`` (the project's design notes, "Sampler pipeline"; docs/architecture.md):
+Order, as vLLM's ``Sampler`` (the project's design notes, "Sampler pipeline"; docs/architecture.md),
+written once: ``before_greedy`` and ``after_greedy`` are the lists every pass follows.
 
 1. raw logprobs of the rows that asked (from the logits as the model gave them)
 2. float32
-3. allowed token ids
-4. bad words
-5. non-argmax-invariant processors: min tokens, logit bias, custom ones
-6. repetition / frequency / presence penalties
+3. allowed token ids, bad words, structured outputs (the request's constraints)
+4. non-argmax-invariant processors: min tokens, logit bias, custom ones
+5. repetition / frequency / presence penalties, then slot-keyed processors
+6. the thinking budget's forced tokens
 7. greedy argmax
 8. temperature                                        \
 9. argmax-invariant processors: min-p, custom ones    |- skipped when the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,9 +46,10 @@ from processors.builtins.thinking_budget import ThinkingBudgetStateHolder
 from processors.builtins.top_k_top_p import TopKTopPLogitsProcessor
 from processors.loading import CustomProcessor, load_custom_processors, split_by_interface
 from processors.row_columns import RowColumns, upload
-from processors.sampling_params import SAMPLING_EPS
+from processors.sampling_params import is_greedy
 from workers.sample.counter_rng import gumbel_argmax, stream_base
 from workers.sample.row_argmax import row_max_argmax
+from workers.sample.pending_sample import PendingSample, SamplerOutput
 from workers.sample.sampler_errors import (
     CONSTRAINTS_STAGE,
     MODEL_STAGE,
@@ -56,23 +57,10 @@ from workers.sample.sampler_errors import (
     LogitsProcessorError,
     check_logits,
     checked_apply,
-    describe_bad_row,
     processor_name,
 )
 from workers.sample.slot_processors import SlotProcessorFailure, SlotProcessorHost
 from workers.wire import TokenLogprobs
-
-
-@dataclass
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # (num_rows,) int64, rows of the call in order
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by persistent-batch row
-    # Rows that cannot be sampled (NaN, +inf, or every token masked), by persistent-batch row: why.
-    # Their token is 0 and must not be used; every other row sampled as if they were not there.
-    errors: dict[int, str] = field(default_factory=dict)
-    # Of those, the rows whose logits were NaN or +inf out of the model's forward: no request's setting
-    # makes them so, the engine may be at fault (``Worker.self_check`` tells).
-    model_faults: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -125,27 +113,32 @@ class Sampler:
             },
         )
 
-    @property
-    def stages(self) -> list[LogitsProcessor]:
-        """Every stage in pipeline order."""
+    def before_greedy(self) -> list[LogitsProcessor]:
+        """The stages that may change a row's argmax, in order; the greedy token is taken after them."""
         return [
             self.allowed_token_ids,
             self.bad_words,
             self.structured,
             *self.logitsprocs.non_argmax_invariant,
-            self.penalties,
+            self.penalties,  # the slot-keyed processors run right after (``_apply``)
             *([self.thinking] if self.thinking is not None else []),
-            self.temperature,
-            *self.logitsprocs.argmax_invariant,
-            self.top_k_top_p,
         ]
+
+    def after_greedy(self) -> list[LogitsProcessor]:
+        """The stages only random rows need, in order: skipped when the whole batch is greedy."""
+        return [self.temperature, *self.logitsprocs.argmax_invariant, self.top_k_top_p]
+
+    @property
+    def stages(self) -> list[LogitsProcessor]:
+        """Every stage in pipeline order: the one list ``process``, ``update_state`` and the digests follow."""
+        return self.before_greedy() + self.after_greedy()
 
     # ----- state -----
 
     @staticmethod
     def _row_values(params: SamplingParams, prompt: list[int] | None, output: list[int]) -> dict[str, Any]:
         return {
-            "greedy": params.temperature < SAMPLING_EPS,
+            "greedy": is_greedy(params.temperature),
             "key": params.sampling_key,
             "num_logprobs": -1 if params.logprobs is None else params.logprobs,
             "prompt_len": len(prompt) if prompt is not None else 0,
@@ -373,21 +366,8 @@ class Sampler:
         logits = logits.to(torch.float32)
         if tracker is not None:
             tracker.check(MODEL_STAGE, logits)
-        logits = self._run(self.allowed_token_ids, logits, rows)
-        logits = self._run(self.bad_words, logits, rows)
-        if self.structured.rows:
-            logits = self._run(self.structured, logits, rows)
-        if tracker is not None:
-            tracker.check(CONSTRAINTS_STAGE, logits)
-        for proc in self.logitsprocs.non_argmax_invariant:
-            logits = self._run(proc, logits, rows, tracker)
-        logits = self._run(self.penalties, logits, rows)
-        if self.slot_processors:
-            logits = self._run_slot_processors(logits, rows, num_drafts)
-            if tracker is not None:
-                tracker.check("(slot-keyed processors)", logits)
-        if self.thinking is not None and self.thinking.has_tracked_requests():
-            logits = self.thinking.apply_rows(logits, rows, num_drafts)
+        for stage in self.before_greedy():
+            logits = self._apply(stage, logits, rows, num_drafts, tracker)
         row_max, greedy_tokens = row_max_argmax(logits)
         if not self.all_greedy():
             # Condemned rows (no finite maximum) become zeros, so min-p or top-p cannot trip over them. On a
@@ -395,37 +375,29 @@ class Sampler:
             bad = ~torch.isfinite(row_max)
             if self.sync_free or bool(bad.any()):
                 logits.masked_fill_(bad.unsqueeze(1), 0.0)
-            logits = self._run(self.temperature, logits, rows)
-            for proc in self.logitsprocs.argmax_invariant:
-                logits = self._run(proc, logits, rows, tracker)
-            logits = self._run(self.top_k_top_p, logits, rows)
+            for stage in self.after_greedy():
+                logits = self._apply(stage, logits, rows, num_drafts, tracker)
         return logits, greedy_tokens, row_max
+
+    def _apply(self, stage: LogitsProcessor, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None,
+               tracker: BadRowTracker | None) -> torch.Tensor:
+        """One stage of ``process``: the constraints are checked as a whole after structured outputs, the
+        slot-keyed processors follow the penalties, the thinking budget sees the drafts."""
+        if stage is self.thinking:
+            return stage.apply_rows(logits, rows, num_drafts) if stage.has_tracked_requests() else logits
+        if stage is not self.structured or self.structured.rows:
+            logits = self._run(stage, logits, rows, tracker)
+        if stage is self.structured and tracker is not None:
+            tracker.check(CONSTRAINTS_STAGE, logits)
+        if stage is self.penalties and self.slot_processors:
+            logits = self._run_slot_processors(logits, rows, num_drafts)
+            if tracker is not None:
+                tracker.check("(slot-keyed processors)", logits)
+        return logits
 
     def tracker(self) -> BadRowTracker | None:
         """A tracker when user processors run (they may return NaN); builtins only mask."""
         return BadRowTracker() if self._user_stages or self.slot_processors else None
-
-    def row_errors(self, row_max: torch.Tensor, rows: slice, tracker: BadRowTracker | None,
-                   only: torch.Tensor | None = None, model_faults: list[int] | None = None) -> dict[int, str]:
-        """Batch row -> why, for the rows of the call whose maximum is not finite or that the tracker
-        found bad (one check when none is). ``only``: a mask of the rows to consider. ``model_faults``:
-        receives the rows that the model's forward left NaN or +inf (no processor or constraint did)."""
-        bad = ~torch.isfinite(row_max)
-        if tracker is not None and tracker.first is not None:
-            found = tracker.first >= 0
-            bad |= found
-            row_max = torch.where(found, tracker.value, row_max)
-        if only is not None:
-            bad &= only
-        if not bool(bad.any()):
-            return {}
-        local = bad.nonzero().flatten().tolist()
-        maxima = row_max[bad].tolist()
-        stages = [tracker.stage_of(i) if tracker is not None else None for i in local]
-        if model_faults is not None:
-            model_faults += [rows.start + i for i, value, stage in zip(local, maxima, stages)
-                             if stage == MODEL_STAGE or (stage is None and not value < 0)]  # NaN or +inf
-        return {rows.start + i: describe_bad_row(value, stage) for i, value, stage in zip(local, maxima, stages)}
 
     def _run_slot_processors(self, logits: torch.Tensor, rows: slice, num_drafts: dict[int, int] | None
                              ) -> torch.Tensor:
@@ -500,32 +472,3 @@ class Sampler:
         every_row = local.size == logits.shape[0]  # local is sorted: then it is 0..n-1
         return gumbel_argmax(logits, base, None if every_row else upload(local, logits.device),
                              row_max=row_max, dense=True if self.sync_free else None)
-
-
-@dataclass
-class PendingSample:
-    """A step's draw as the device computes it; ``finish`` reads it. The sampled ids are the first read,
-    so on a GPU the host waits once, for the whole step; the rows that could not be sampled and the
-    logprobs are read after them."""
-
-    sampler: Sampler
-    sampled: torch.Tensor  # (rows,) on the device
-    row_max: torch.Tensor  # (rows,) each row's maximum: not finite where the row cannot be sampled
-    tracker: BadRowTracker | None
-    rows: slice
-    raw: torch.Tensor | None  # the model's logits of the rows that asked for logprobs
-    logprob_local: np.ndarray
-
-    def finish(self) -> SamplerOutput:
-        sampler, rows = self.sampler, self.rows
-        tokens = self.sampled.to("cpu", torch.int64)  # the step's first host read
-        faults: list[int] = []
-        errors = sampler.row_errors(self.row_max, rows, self.tracker, model_faults=faults)
-        if errors:
-            tokens[[r - rows.start for r in errors]] = 0
-        out = SamplerOutput(sampled_token_ids=tokens, errors=errors, model_faults=faults)
-        if self.raw is not None:
-            out.logprobs = sampler.logprobs(self.raw, self.logprob_local, rows, tokens)
-            for row in errors:
-                out.logprobs.pop(row, None)
-        return out

@@ -98,6 +98,29 @@ def describe_bad_row(row_max: float, stage: str | None) -> str:
     return f"this request cannot be sampled: {what}{where}; the other requests of the step were not affected"
 
 
+def row_errors(row_max: torch.Tensor, rows: slice, tracker: BadRowTracker | None,
+               only: torch.Tensor | None = None, model_faults: list[int] | None = None) -> dict[int, str]:
+    """Batch row -> why, for the rows of the call whose maximum is not finite or that the tracker
+    found bad (one check when none is). ``only``: a mask of the rows to consider. ``model_faults``:
+    receives the rows that the model's forward left NaN or +inf (no processor or constraint did)."""
+    bad = ~torch.isfinite(row_max)
+    if tracker is not None and tracker.first is not None:
+        found = tracker.first >= 0
+        bad |= found
+        row_max = torch.where(found, tracker.value, row_max)
+    if only is not None:
+        bad &= only
+    if not bool(bad.any()):
+        return {}
+    local = bad.nonzero().flatten().tolist()
+    maxima = row_max[bad].tolist()
+    stages = [tracker.stage_of(i) if tracker is not None else None for i in local]
+    if model_faults is not None:
+        model_faults += [rows.start + i for i, value, stage in zip(local, maxima, stages)
+                         if stage == MODEL_STAGE or (stage is None and not value < 0)]  # NaN or +inf
+    return {rows.start + i: describe_bad_row(value, stage) for i, value, stage in zip(local, maxima, stages)}
+
+
 def processor_name(proc: object) -> str:
     cls = type(proc)
     return f"{cls.__module__}.{cls.__qualname__}"
