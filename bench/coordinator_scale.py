@@ -194,7 +194,7 @@ def measure(workers: int, mix: str, steps: int, worker_side: bool) -> dict[str, 
             start = time.perf_counter()
             result = worker.step(plan)
             worker_ms.append((time.perf_counter() - start - (worker.runner.seconds - before)) * 1000)
-            apply_ms.append(getattr(result, "plan_s", float("nan")) * 1000)
+            apply_ms.append(getattr(getattr(result, "timings", result), "plan_s", float("nan")) * 1000)
         results = fake_results(plan, workers, nprng, logprob_rows(coordinator))
         if step == warmup:
             result_bytes.append(len(pickle.dumps(results[0], protocol=5)))

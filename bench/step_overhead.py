@@ -63,7 +63,7 @@ def local_overhead_ms(workers: int, prompts: list[str], params: SamplingParams) 
         results = [w.step(plan) for w in engine.workers]
         engine.coordinator.accept_step(plan, results)
         engine.coordinator.take_outputs()
-        compute = sum(r.compute_s for r in results)  # in one process the workers run one after another
+        compute = sum(r.timings.compute_s for r in results)  # in one process the workers run one after another
         overheads.append((time.perf_counter() - start - compute) * 1000)
     return statistics.median(overheads)
 

@@ -111,6 +111,31 @@ class StepPlan:
 
 
 @dataclass
+class StepTimings:
+    """Where a worker's step went, for the engine's profile (``cluster.engine.step_profile``) and its stats."""
+
+    compute_s: float = 0.0  # the step's wall seconds on the worker
+    # Seconds applying the plan to the replicas (tokens, BatchUpdate, processors' update_state):
+    # the part of a worker's host time that grows with the global batch, not its shard.
+    plan_s: float = 0.0
+    # Seconds of one sampling pass over the shard (verifying drafts takes one per draft position).
+    sample_pass_s: float = 0.0
+    # CPU seconds of the step on the worker's thread (host work; a GPU's or a simulated compute's
+    # waiting is not in it), and the modelled compute slept by a simulated runner.
+    cpu_s: float = 0.0
+    simulated_s: float = 0.0
+    # The pipelined step (``workers.step.ahead``): rows whose logits the forward launched at the end of
+    # the last step computed, rows it computed that the plan did not keep, its modelled compute,
+    # and the CPU seconds of applying this plan while it ran (off the step's critical path).
+    ahead_rows: int = 0
+    wasted_rows: int = 0
+    ahead_s: float = 0.0
+    overlap_cpu_s: float = 0.0
+    # CPU seconds of the processors' update_state, run while the step's forward did (both steps).
+    update_cpu_s: float = 0.0
+
+
+@dataclass
 class StepResult:
     worker_id: int
     step: int
@@ -133,25 +158,7 @@ class StepResult:
     # Audit: per-row mirror digests and per-processor digests.
     row_digests: list[bytes] | None = None
     processor_digests: dict[str, bytes] | None = None
-    compute_s: float = 0.0
-    # Seconds applying the plan to the replicas (tokens, BatchUpdate, processors' update_state):
-    # the part of a worker's host time that grows with the global batch, not its shard.
-    plan_s: float = 0.0
-    # Seconds of one sampling pass over the shard (verifying drafts takes one per draft position).
-    sample_pass_s: float = 0.0
-    # CPU seconds of the step on the worker's thread (host work; a GPU's or a simulated compute's
-    # waiting is not in it), and the modelled compute slept by a simulated runner.
-    cpu_s: float = 0.0
-    simulated_s: float = 0.0
-    # The pipelined step (``workers.step.ahead``): rows whose logits the forward launched at the end of
-    # the last step computed, rows it computed that the plan did not keep, its modelled compute,
-    # and the CPU seconds of applying this plan while it ran (off the step's critical path).
-    ahead_rows: int = 0
-    wasted_rows: int = 0
-    ahead_s: float = 0.0
-    overlap_cpu_s: float = 0.0
-    # CPU seconds of the processors' update_state, run while the step's forward did (both steps).
-    update_cpu_s: float = 0.0
+    timings: StepTimings = field(default_factory=StepTimings)
 
     def token_lists(self) -> list[list[int]]:
         """Per shard row, its tokens (for tests and slow paths)."""

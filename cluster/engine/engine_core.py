@@ -166,7 +166,7 @@ class EngineCore:
                 self.recoveries += 1
                 logger.warning("re-admitted the running requests on workers %s", self.executor.worker_ids)
             elif isinstance(done, StepDone):
-                slowest = max((r.compute_s for r in done.results), default=0.0)
+                slowest = max((r.timings.compute_s for r in done.results), default=0.0)
                 self.step_overhead_ms.append((done.seconds - slowest) * 1000)
                 self.profile.add(done.seconds, done.coordinator_cpu_s, done.results)
                 self._report_step(done.seconds, before)

@@ -46,23 +46,24 @@ class StepProfile:
     def add(self, wall_s: float, coordinator_cpu_s: float, results: Sequence[StepResult]) -> None:
         if not results:
             return
-        own = [r.cpu_s + r.simulated_s for r in results]
+        own = [r.timings.cpu_s + r.timings.simulated_s for r in results]
         front = coordinator_cpu_s + self.round_trip_s
         self.own_core_s += max(_own_core_step(r, front) for r in results)
-        self.ahead_s += max(r.ahead_s for r in results)
-        self.overlap_cpu_s += max(r.overlap_cpu_s for r in results)
-        self.update_cpu_s += max(r.update_cpu_s for r in results)
+        self.ahead_s += max(r.timings.ahead_s for r in results)
+        self.overlap_cpu_s += max(r.timings.overlap_cpu_s for r in results)
+        self.update_cpu_s += max(r.timings.update_cpu_s for r in results)
         self.steps += 1
         self.wall_s += wall_s
         self.coordinator_cpu_s += coordinator_cpu_s
-        self.worker_wall_s += max(r.compute_s for r in results)
-        self.worker_cpu_s += max(r.cpu_s for r in results)
-        self.simulated_s += max(r.simulated_s for r in results)
+        self.worker_wall_s += max(r.timings.compute_s for r in results)
+        self.worker_cpu_s += max(r.timings.cpu_s for r in results)
+        self.simulated_s += max(r.timings.simulated_s for r in results)
         self.own_core_worker_s += max(own)
         self.straggler_s += max(own) - sum(own) / len(own)
 
 
 def _own_core_step(r: StepResult, front: float) -> float:
-    applied = front + r.overlap_cpu_s
-    still_computing = max(r.ahead_s - applied, 0.0) + r.simulated_s - r.ahead_s
-    return applied + max(still_computing, r.update_cpu_s) + r.cpu_s - r.overlap_cpu_s - r.update_cpu_s
+    t = r.timings
+    applied = front + t.overlap_cpu_s
+    still_computing = max(t.ahead_s - applied, 0.0) + t.simulated_s - t.ahead_s
+    return applied + max(still_computing, t.update_cpu_s) + t.cpu_s - t.overlap_cpu_s - t.update_cpu_s

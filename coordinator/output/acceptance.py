@@ -71,10 +71,10 @@ class Acceptance:
             drafts = plan.draft_counts if plan.draft_counts is not None else EMPTY
             self.draft_policy.observe_step(n + int(drafts.sum()), int(drafts.max(initial=0)),
                                            time.perf_counter() - plan_started,
-                                           max((r.sample_pass_s for r in results), default=0.0))
+                                           max((r.timings.sample_pass_s for r in results), default=0.0))
         tokens, counts, logprobs = gather(plan, results)
-        self.metrics.ahead_rows += sum(r.ahead_rows for r in results)
-        self.metrics.ahead_wasted_rows += sum(r.wasted_rows for r in results)
+        self.metrics.ahead_rows += sum(r.timings.ahead_rows for r in results)
+        self.metrics.ahead_wasted_rows += sum(r.timings.wasted_rows for r in results)
         table = self.scheduler.table
         if len(slots) != n:
             raise RuntimeError(f"step {plan.step}: results for a plan of {n} rows, {len(slots)} expected")

@@ -19,7 +19,7 @@ from coordinator.schedule.owner_choice import OwnerPicker
 from coordinator.schedule.scheduler import Scheduler
 from processors import BatchUpdate, MoveDirectionality, SamplingParams
 from processors.row_columns import RowColumns
-from workers.wire import StepResult
+from workers.wire import StepResult, StepTimings
 
 COLUMNS = {"temperature": (np.float32, 1.0), "key": (np.int64, 0), "greedy": (np.bool_, True),
            "output": (object, None)}
@@ -136,15 +136,16 @@ def test_the_profile_counts_update_state_as_overlapped_with_the_forward_it_ran_b
     compute still to run and the processors' update_state; then the rest of the worker's CPU."""
     profile = StepProfile(round_trip_s=0.001)
     # pipelined: 6 ms launched ahead covers 3 + 1 + 0.5; 50 ms of prefill after it hides 10 ms of update_state
-    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), cpu_s=0.012, simulated_s=0.056, ahead_s=0.006,
-                                        overlap_cpu_s=0.0005, update_cpu_s=0.010)])
+    timings = StepTimings(cpu_s=0.012, simulated_s=0.056, ahead_s=0.006, overlap_cpu_s=0.0005, update_cpu_s=0.010)
+    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), timings=timings)])
     assert abs(profile.own_core_s - (0.006 + 0.050 + 0.0015)) < 1e-12
     # synchronous, nothing to hide it: update_state longer than the compute sets the pace
     profile = StepProfile(round_trip_s=0.001)
-    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), cpu_s=0.011, simulated_s=0.002, update_cpu_s=0.010)])
+    timings = StepTimings(cpu_s=0.011, simulated_s=0.002, update_cpu_s=0.010)
+    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), timings=timings)])
     assert abs(profile.own_core_s - (0.004 + 0.010 + 0.001)) < 1e-12
     # without update_state it is the model the profile always had
     profile = StepProfile(round_trip_s=0.001)
-    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), cpu_s=0.002, simulated_s=0.007, ahead_s=0.006,
-                                        overlap_cpu_s=0.0005)])
+    timings = StepTimings(cpu_s=0.002, simulated_s=0.007, ahead_s=0.006, overlap_cpu_s=0.0005)
+    profile.add(0.1, 0.003, [StepResult(0, 1, (0, 1), timings=timings)])
     assert abs(profile.own_core_s - (0.002 - 0.0005 + max(0.006, 0.0045) + 0.001)) < 1e-12

@@ -56,6 +56,10 @@ class ComputeThread:
             future.set_exception(exc)
         return future
 
+    def is_current(self) -> bool:
+        """Whether the caller is this thread."""
+        return threading.current_thread() is self._thread
+
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn``'s result, computed on this thread (here and now when called from it)."""
         if threading.current_thread() is self._thread:

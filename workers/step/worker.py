@@ -12,10 +12,11 @@ the caller's thread applies plans.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,12 +36,44 @@ from workers.step.ahead import Forwards, Logits, guess_next
 from workers.step.compute_thread import compute_thread
 from workers.step.mirror import BatchMirror
 from workers.step.worker_setup import WorkerSetup
-from workers.wire import StepPlan, StepResult, offsets_of
+from workers.wire import StepPlan, StepResult, StepTimings, offsets_of
 
 # KV blocks beyond the budget for the pipelined step, one per row the worker holds up to this many:
 # a guessed row entering a new block writes its token into one until the plan names its block
 # (``workers.step.ahead``); rows past this many in one step wait for the plan.
 MAX_SPARE_BLOCKS = 64
+
+
+@dataclass
+class ShardWork:
+    """This worker's part of a plan: its rows as the runner takes them, their request ids, which of them sample
+    a token (else a prefill chunk), and every row's drafts (None without)."""
+
+    rows: list[RowWork]
+    row_ids: list[str]
+    samples: list[bool]
+    drafts: list[list[int]] | None
+
+
+class _Handoff:
+    """The caller's word to the step's job that the plan is applied (sample) or failed to apply (stop)."""
+
+    def __init__(self) -> None:
+        self._event, self._ok = threading.Event(), False
+
+    def ready(self) -> None:
+        self._ok = True
+        self._event.set()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> bool:
+        self._event.wait()
+        return self._ok
 
 
 class Worker:
@@ -104,46 +137,73 @@ class Worker:
             raise
 
     def _step(self, plan: StepPlan) -> StepResult:
+        """The caller's thread applies the plan while the compute thread runs the step's one job (``_compute``):
+        the processors' replicas take the plan's BatchUpdate while this shard's forward runs, since sampling is
+        the first thing that reads them. A wave of admissions (every worker applies every row) then costs no
+        more than the forward its own rows need."""
         start_time, start_cpu = time.perf_counter(), time.thread_time()
         self.mirror.append_tokens(plan.last_tokens, plan.last_counts)
         batch_update, _ = self.mirror.apply(plan.update)
         lo, hi = (int(x) for x in plan.shards[self.worker_id])
-        work, row_ids, samples, drafts = self._work(plan, lo, hi)
+        work = self._work(plan, lo, hi)
         result = StepResult(worker_id=self.worker_id, step=plan.step, rows=(lo, hi))
+        timings = result.timings
         overlap_cpu = time.thread_time() - start_cpu
         compute_cpu = 0.0
-        if work:
-            # The processors' replicas take the plan's BatchUpdate while this shard's forward runs:
-            # sampling is the first thing that reads them. A wave of admissions (every worker
-            # applies every row) then costs no more than the forward its own rows need.
-            forward = compute_thread().start(self._forward, result, row_ids, work, overlap_cpu)
-            update_start = time.thread_time()
-            try:
+        if work.rows:
+            updated = _Handoff()
+            if compute_thread().is_current():  # nothing runs beside this thread: the update goes first
                 self.sampler.update_state(batch_update)
-            except BaseException:
-                _settle(forward)  # its logits are nobody's; the next forward queues behind it anyway
-                raise
-            result.update_cpu_s = time.thread_time() - update_start
-            result.plan_s = time.perf_counter() - start_time
+                updated.ready()
+            job = compute_thread().start(self._compute, result, work, updated, overlap_cpu)
+            if not updated.is_set():
+                update_start = time.thread_time()
+                try:
+                    self.sampler.update_state(batch_update)
+                except BaseException:
+                    updated.cancel()
+                    _settle(job)  # it stops before sampling: its logits are nobody's
+                    raise
+                timings.update_cpu_s = time.thread_time() - update_start
+                updated.ready()
+            timings.plan_s = time.perf_counter() - start_time
             try:
-                got, forward_cpu = forward.result()
+                compute_cpu = job.result()
             except AdapterUnavailable as exc:  # only the requests with that adapter fail
                 raise LogitsProcessorError(str(exc), tuple(lo + r for r in exc.rows)) from None
-            compute_cpu = forward_cpu + compute_thread().run(self._sample, result, got, lo, hi, work, row_ids,
-                                                             samples, drafts)
         else:
             self.sampler.update_state(batch_update)
-            result.plan_s = time.perf_counter() - start_time
+            timings.plan_s = time.perf_counter() - start_time
         caller_cpu = time.thread_time()
         if plan.audit:
             result.row_digests = self.mirror.digests()
             result.processor_digests = self.sampler.state_digests()
-        result.compute_s = time.perf_counter() - start_time
-        result.cpu_s = overlap_cpu + result.update_cpu_s + compute_cpu + time.thread_time() - caller_cpu
+        timings.compute_s = time.perf_counter() - start_time
+        timings.cpu_s = overlap_cpu + timings.update_cpu_s + compute_cpu + time.thread_time() - caller_cpu
         return result
 
-    def _work(self, plan: StepPlan, lo: int, hi: int) -> tuple[list[RowWork], list[str], list[bool],
-                                                                 list[list[int]] | None]:
+    def _compute(self, result: StepResult, work: ShardWork, updated: _Handoff, overlap_cpu: float) -> float:
+        """The step's one job on the compute thread; returns its host CPU seconds. The plain step runs this
+        step's forward and samples it. The pipelined step (``launch_ahead``) finds that forward already
+        launched at the end of the last step (``Forwards.forward`` keeps the rows it guessed right), and
+        launches the next one as soon as this one is sampled, before the next plan arrives."""
+        start_cpu = time.thread_time()
+        with torch.inference_mode(), self.forwards.on_device():
+            got = self.forwards.forward(work.row_ids, work.rows)
+        forward_cpu = time.thread_time() - start_cpu - got.inline_device_cpu_s  # a simulated device's is modelled
+        self._note_forward(result.timings, got, overlap_cpu)
+        if not updated.wait():
+            return forward_cpu  # the plan failed to apply: nothing is sampled
+        sample_cpu = self._sample(result, got, work)
+        if self.launch_ahead and work.drafts is None:
+            lo = result.rows[0]
+            sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), work.samples)]
+            errors = {row - lo for row in result.errors}
+            self.forwards.launch_ahead(*guess_next(work.row_ids, work.rows, sampled, errors, self.runner.block_size,
+                                                   self.runner.max_model_len, self.runner.spare_blocks))
+        return forward_cpu + sample_cpu
+
+    def _work(self, plan: StepPlan, lo: int, hi: int) -> ShardWork:
         """This shard's rows as the runner takes them (blocks the plan gives them included), their
         request ids, which of them sample a token, and every row's drafts (None without)."""
         rows = plan.block_rows
@@ -171,32 +231,25 @@ class Worker:
                                 adapter=None if lora is None else (lora.lora_int_id, lora.lora_path)))
             row_ids.append(row.request_id)
             samples.append(start + count >= length)  # else a prefill chunk: its sample is no token
-        return work, row_ids, samples, drafts
+        return ShardWork(work, row_ids, samples, drafts)
 
-    def _forward(self, result: StepResult, row_ids: list[str], work: list[RowWork],
-                 overlap_cpu: float) -> tuple[Logits, float]:
-        """On the compute thread: this shard's logits (started, on a GPU or a simulated device) and
-        the host CPU seconds it took."""
-        start_cpu = time.thread_time()
-        with torch.inference_mode(), self.forwards.on_device():
-            got = self.forwards.forward(row_ids, work)
-        result.ahead_rows, result.wasted_rows = got.ahead_rows, got.wasted_rows
-        result.ahead_s, result.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
+    @staticmethod
+    def _note_forward(timings: StepTimings, got: Logits, overlap_cpu: float) -> None:
+        timings.ahead_rows, timings.wasted_rows = got.ahead_rows, got.wasted_rows
+        timings.ahead_s, timings.simulated_s = got.ahead_s, got.ahead_s + got.inline_s
         if got.ahead_rows or got.wasted_rows:
-            result.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
-        # a simulated device's work is in simulated_s, not host CPU
-        return got, time.thread_time() - start_cpu - got.inline_device_cpu_s
+            timings.overlap_cpu_s = overlap_cpu  # applying the plan ran while the forward did
 
-    def _sample(self, result: StepResult, got: Logits, lo: int, hi: int, work: list[RowWork], row_ids: list[str],
-                samples: list[bool], drafts: list[list[int]] | None) -> float:
-        """On the compute thread: ``got``'s logits sampled into ``result``; returns its CPU seconds."""
+    def _sample(self, result: StepResult, got: Logits, work: ShardWork) -> float:
+        """``got``'s logits sampled into ``result``; returns the host CPU seconds it took."""
         start_cpu = time.thread_time()
         device_cpu = 0.0
-        logits = got.logits
+        logits, drafts = got.logits, work.drafts
+        lo, hi = result.rows
         with torch.inference_mode(), self.forwards.on_device():
             sample_start, sample_cpu = time.perf_counter(), time.thread_time()
-            if drafts is None and self._prompt_rows(lo, work):  # rows that gave every prompt position's logits
-                logits = self._prompt_logprobs(result, logits, lo, work)
+            if drafts is None and self._prompt_rows(lo, work.rows):  # rows that gave every prompt position's logits
+                logits = self._prompt_logprobs(result, logits, lo, work.rows)
             if drafts is None:
                 out = self.sampler(logits, slice(lo, hi))
                 result.tokens = out.sampled_token_ids.to("cpu", torch.int32).numpy()
@@ -209,18 +262,12 @@ class Worker:
                 result.logprobs = {lo + i: lp for i, lp in enumerate(verified.logprobs) if lp is not None}
                 result.errors, result.model_faults = verified.errors, verified.model_faults
             passes = 1 + max((len(d) for d in drafts[lo:hi]), default=0) if drafts is not None else 1
-            result.sample_pass_s = (time.perf_counter() - sample_start) / passes
+            result.timings.sample_pass_s = (time.perf_counter() - sample_start) / passes
             wait_ready = getattr(self.runner, "wait_ready", None)
             if wait_ready is not None:  # a simulated device sampled within its modelled step: read when it ends
                 device_cpu += time.thread_time() - sample_cpu
                 wait_ready()
-            if self.launch_ahead and drafts is None:
-                sampled = [t if s else -1 for t, s in zip(result.tokens.tolist(), samples)]
-                errors = {row - lo for row in result.errors}
-                self.forwards.launch_ahead(*guess_next(row_ids, work, sampled, errors, self.runner.block_size,
-                                                       self.runner.max_model_len, self.runner.spare_blocks))
         return time.thread_time() - start_cpu - device_cpu
-
 
     def _prompt_rows(self, lo: int, work: list[RowWork]) -> bool:
         """Whether a row of this shard computes prompt tokens of a request that asks for their logprobs."""
