@@ -10,9 +10,32 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from processors import EngineConfig, ModelConfig, ProcessorSpec, SchedulerConfig, SpeculativeConfig
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+               "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(value: Any) -> Any:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` to bytes; other values pass through for pydantic to check."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}")
+    try:
+        return int(float(number) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
+
+
+# A size in bytes, given as a number or as "2GiB", "512MiB", "1.5GB".
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 
 class _Section(BaseModel):
@@ -187,17 +210,12 @@ class ClusterSection(_Section):
     # Bytes of Ray's ``memory`` resource each worker actor asks for, so Ray never packs more workers on a
     # node than fit. Unset: for CPU workers, their weights + KV budget + a runtime allowance
     # (cluster.memory, computed at start); GPU workers ask for none.
-    memory_per_worker: int | None = Field(default=None, gt=0)
+    memory_per_worker: Bytes | None = Field(default=None, gt=0)
     # Fan the plan out through a Ray compiled graph (shared-memory channels) instead of actor calls.
     # Its channels busy-wait: the coordinator and every worker keep a core spinning between steps.
     # "auto": on for GPU workers (compute is on the device, the spin buys lower latency); off for
     # CPU workers, whose cores the spinning would take from the model (bench/step_overhead.py).
     compiled_graph: bool | Literal["auto"] = "auto"
-
-    @field_validator("memory_per_worker", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return parse_bytes(value)
 
     def use_compiled_graph(self) -> bool:
         if self.compiled_graph == "auto":
@@ -228,25 +246,6 @@ class SchedulerSection(_Section):
         return self.max_num_seqs_per_worker or self.max_num_seqs
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-               "gb": 10**9, "tb": 10**12}
-
-
-def parse_bytes(value: Any) -> Any:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` to bytes; other values pass through for pydantic to check."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip().lower().replace(" ", "")
-    number = text.rstrip("kmgtib")
-    unit = text[len(number):]
-    if unit not in _BYTE_UNITS:
-        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}")
-    try:
-        return int(float(number) * _BYTE_UNITS[unit])
-    except ValueError:
-        raise ValueError(f"expected bytes or a size like '2GiB', got {value!r}") from None
-
-
 class CacheSection(_Section):
     """Paged KV cache: blocks of ``block_size`` tokens from a memory budget per worker.
 
@@ -259,17 +258,12 @@ class CacheSection(_Section):
     # attention runs in torch (model.decode_attention: torch), which reads K/V block by block and pays
     # for many tiny products more than for the padding of larger blocks.
     block_size: int | None = Field(default=None, ge=1, le=1024)
-    kv_cache_memory: int | None = Field(default=None, gt=0)
+    kv_cache_memory: Bytes | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     # How long a process waits for another that holds a lock of the host's raysample cache (building a
     # kernel, probing a layer) before it fails with a line naming the holder; it says once that it waits.
     lock_timeout_s: float = Field(default=900.0, gt=0.0)
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return parse_bytes(value)
 
 
 class ProcessorItem(_Section):
@@ -338,12 +332,7 @@ class StructuredOutputsSection(_Section):
     # A constraint is first compiled in a child process that is killed past either bound: a schema
     # that would take longer or more memory fails its own request and holds no other.
     compile_timeout_s: float = Field(default=10.0, gt=0.0)
-    compile_max_memory: int = Field(default=2 << 30, gt=0)  # bytes, or "2GiB"
-
-    @field_validator("compile_max_memory", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return parse_bytes(value)
+    compile_max_memory: Bytes = Field(default=2 << 30, gt=0)  # bytes, or "2GiB"
 
 
 class LoraSection(_Section):
@@ -379,12 +368,7 @@ class InputSection(_Section):
     # False: input order.
     group_by_prefix: bool = True
     read_ahead_lines: int = Field(default=4096, ge=1)
-    read_ahead_bytes: int = Field(default=64 * 2**20, ge=1)
-
-    @field_validator("read_ahead_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return parse_bytes(value)
+    read_ahead_bytes: Bytes = Field(default=64 * 2**20, ge=1)
 
 
 class RaysampleConfig(_Section):

@@ -39,11 +39,12 @@ from coordinator.request import FinishReason, Request, RequestGroup, RequestOutp
 from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch
 from coordinator.schedule.plan_arrays import drafts_by_row, runs_by_row
 from coordinator.schedule.scheduler import Scheduler, StepSchedule, group_by_owner
-from coordinator.spec.draft_policy import CRITICAL_SHARE, DraftPolicy
+from coordinator.spec.draft_policy import DraftPolicy
 from coordinator.spec.ngram_batch import BatchNgramDrafter
 from coordinator.spec.ngram_drafter import NgramDrafter
+from coordinator.spec.proposals import propose_drafts
 from processors import SamplingParams
-from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult, offsets_of
+from workers.wire import EMPTY, AddedRow, PlanUpdate, StepPlan, StepResult
 
 __all__ = ["Coordinator", "CoordinatorConfig", "KVSettings", "ModelInfo", "EngineMetrics"]
 
@@ -433,47 +434,20 @@ class Coordinator:
         return plan
 
     def _mark_prompts_ready(self, decision: StepSchedule) -> None:
-        """Prefill metrics and prompt readiness: only rows still in (or just done with) their prompt."""
-        table = self.scheduler.table
+        """Prefill metrics and prompt readiness (a group's owner is its first row's worker)."""
         slots = decision.scheduled
-        start, count = decision.start[slots], decision.num_tokens[slots]
-        total, prompt_len = table.total[slots], table.prompt_len[slots]
-        prefill = start + 1 < total
-        # Every token fed but a generating row's last one (its decode token) is computed for the prompt (or
-        # recomputed): a one-token prompt, or a prompt the cache held all but the last token of, counts too.
-        decoding = (start + count == total) & (total > prompt_len)
-        self.metrics.prefill_tokens += int((count - decoding).sum())
-        for slot in slots[prefill | (start < prompt_len)].tolist():
-            request = table.requests[slot]
-            if request.child_index == 0 and decision.start[slot] + decision.num_tokens[slot] >= len(request.prompt_token_ids):
-                request.group.prompt_ready = True
-                if request.group.owner is None:
-                    request.group.owner = request.owner
+        prefill, ready = self.scheduler.table.prompt_progress(slots, decision.start[slots], decision.num_tokens[slots])
+        self.metrics.prefill_tokens += prefill
+        for request in ready:
+            request.group.prompt_ready = True
+            if request.group.owner is None:
+                request.group.owner = request.owner
 
     def _propose(self, slots: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        """N-gram drafts for rows ``slots`` (arrival order), limited so accepting all of them plus a
-        bonus stays in bounds, then trimmed by the draft policy (``speculative.draft_policy: adaptive``).
-        Returns (drafts per slot, drafts flat)."""
         table = self.scheduler.table
-        lefts = table.limit[slots] - table.total[slots]  # min(max_tokens, max_model_len) left
-        rooms = np.minimum(lefts, budget + 1) - 1
-        critical_only = self.draft_policy is not None and not self.scheduler.waiting
-        if critical_only:  # DraftPolicy.critical_rows, on arrays
-            critical = lefts >= CRITICAL_SHARE * lefts.max(initial=0)
-            rooms = np.where(critical, rooms, 0)
-        counts, flat = self._drafts.propose(slots, rooms)
-        if critical_only and bool(((counts == 0) & critical).any()):
-            return np.zeros(len(slots), np.int32), flat[:0]  # a critical row has nothing to verify: cannot pay
-        if self.draft_policy is None:
-            return counts, flat
-        offsets = offsets_of(counts).tolist()
-        flat_list = flat.tolist()
-        ids = [table.requests[slot].request_id for slot in slots.tolist()]
-        proposals = {rid: flat_list[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids) if counts[i]}
-        chosen = self.draft_policy.choose(proposals, len(slots))
-        kept = [chosen.get(rid, []) for rid in ids]
-        return (np.array([len(d) for d in kept], dtype=np.int32),
-                np.array([t for d in kept for t in d], dtype=np.int32))
+        return propose_drafts(self._drafts, self.draft_policy, slots, table.limit[slots] - table.total[slots], budget,
+                              bool(self.scheduler.waiting),
+                              lambda: [table.requests[slot].request_id for slot in slots.tolist()])
 
     def accept_step(self, plan: StepPlan, results: Sequence[StepResult]) -> None:
         """Take the sampled tokens of ``plan``'s step and apply the finish rule: all the next plan

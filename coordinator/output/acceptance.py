@@ -67,33 +67,15 @@ class Acceptance:
         drafts) for rows without such checks. Only rows that finish and rows with several tokens
         and a per-token check run per-request code."""
         n = plan.batch_size
-        if self.draft_policy is not None and bool((plan.num_tokens == 1).all()):
-            drafts = plan.draft_counts if plan.draft_counts is not None else EMPTY
-            self.draft_policy.observe_step(n + int(drafts.sum()), int(drafts.max(initial=0)),
-                                           time.perf_counter() - plan_started,
-                                           max((r.timings.sample_pass_s for r in results), default=0.0))
-        tokens, counts, logprobs = gather(plan, results)
-        self.metrics.ahead_rows += sum(r.timings.ahead_rows for r in results)
-        self.metrics.ahead_wasted_rows += sum(r.timings.wasted_rows for r in results)
-        table = self.scheduler.table
         if len(slots) != n:
             raise RuntimeError(f"step {plan.step}: results for a plan of {n} rows, {len(slots)} expected")
+        self._observe(plan, results, plan_started)
+        tokens, counts, logprobs = gather(plan, results)
+        table = self.scheduler.table
         now = time.monotonic()
         generated_before = self.metrics.generated_tokens
         computed = plan.start + plan.num_tokens
-        live = ~table.done[slots]
-        for result in results:  # prompt logprobs of the chunks computed, kept by the request (once per position)
-            for row, (first, positions) in result.prompt_logprobs.items():
-                group = table.requests[slots[row]].group
-                if group is not None:
-                    group.take_prompt_logprobs(first, positions)
-        for result in results:  # rows that could not be sampled: their request fails, no one else's
-            for row, message in result.errors.items():
-                if live[row]:
-                    live[row] = False
-                    request = table.requests[slots[row]]
-                    request.finish(FinishReason.ERROR, error=message)
-                    self.finished_row(request)
+        live = self._failed_and_scored(results, slots)
         samples = computed >= table.total[slots]
         chunk = live & ~samples  # a prefill chunk: its sample is not a token
         table.computed[slots[chunk]] = computed[chunk]
@@ -108,14 +90,66 @@ class Acceptance:
             self._count_drafts(plan, slots, live & samples, counts)
         offsets = offsets_of(counts) if counts is not None else np.arange(n + 1)
         accepted_counts = np.zeros(n, dtype=np.int32)
-        # -- one token each: arrays, plus per-row checks only where a row asks for them --
         rows = np.flatnonzero(simple)
+        token = self._accept_one_each(rows, slots, tokens[offsets[rows]].astype(np.int64), computed, logprobs, now)
+        accepted_counts[rows] = 1
+        multi_rows, multi_accepted = self._accept_several(np.flatnonzero(multi), slots, tokens, counts, offsets,
+                                                          computed, now)
+        accepted_counts[multi_rows] = multi_accepted
+        per_row = self._accept_per_request(np.flatnonzero(live & samples & ~simple & ~multi), slots, tokens, offsets,
+                                           computed, logprobs, now)
+        for r, accepted in per_row.items():
+            accepted_counts[r] = len(accepted)
+        if not per_row and bool(simple.all()):
+            self.last_tokens, self.last_counts = token.astype(np.int32), None
+        else:
+            self.last_tokens = _accepted_flat(accepted_counts, rows, token, multi_rows, multi_accepted, counts,
+                                              tokens, offsets, per_row)
+            self.last_counts = accepted_counts
+        if self.drafts is not None:
+            counts_now = self.last_counts if self.last_counts is not None else np.ones(n, dtype=np.int32)
+            self.drafts.append(slots, counts_now, self.last_tokens)
+        self.metrics.steps += 1
+        self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
+
+    def _observe(self, plan: StepPlan, results: Sequence[StepResult], plan_started: float) -> None:
+        """The step's figures: what the draft policy learns from a decode step, the pipelined step's rows."""
+        if self.draft_policy is not None and bool((plan.num_tokens == 1).all()):
+            drafts = plan.draft_counts if plan.draft_counts is not None else EMPTY
+            self.draft_policy.observe_step(plan.batch_size + int(drafts.sum()), int(drafts.max(initial=0)),
+                                           time.perf_counter() - plan_started,
+                                           max((r.timings.sample_pass_s for r in results), default=0.0))
+        self.metrics.ahead_rows += sum(r.timings.ahead_rows for r in results)
+        self.metrics.ahead_wasted_rows += sum(r.timings.wasted_rows for r in results)
+
+    def _failed_and_scored(self, results: Sequence[StepResult], slots: np.ndarray) -> np.ndarray:
+        """Prompt logprobs of the chunks computed kept by their requests (once per position); rows that could
+        not be sampled fail their request, no one else's. Returns which rows are still live."""
+        table = self.scheduler.table
+        live = ~table.done[slots]
+        for result in results:
+            for row, (first, positions) in result.prompt_logprobs.items():
+                group = table.requests[slots[row]].group
+                if group is not None:
+                    group.take_prompt_logprobs(first, positions)
+        for result in results:
+            for row, message in result.errors.items():
+                if live[row]:
+                    live[row] = False
+                    request = table.requests[slots[row]]
+                    request.finish(FinishReason.ERROR, error=message)
+                    self.finished_row(request)
+        return live
+
+    def _accept_one_each(self, rows: np.ndarray, slots: np.ndarray, token: np.ndarray, computed: np.ndarray,
+                         logprobs: dict, now: float) -> np.ndarray:
+        """Rows ``rows`` sampled one ``token`` each: arrays, plus per-row checks only where a row asks for them
+        (stop ids, logprobs, stop strings). Returns ``token``."""
+        table = self.scheduler.table
         s = slots[rows]
-        token = tokens[offsets[rows]].astype(np.int64)
         table.computed[s] = computed[rows]
         total = table.total[s] + 1
         table.total[s] = total
-        accepted_counts[rows] = 1
         deque(map(list.append, map(table.outputs.__getitem__, s.tolist()), token.tolist()), maxlen=0)
         self.metrics.generated_tokens += len(rows)
         length, eos, stop_ids_apply = token_finish(total, table.limit[s], table.min_total[s], token, table.eos[s])
@@ -129,21 +163,7 @@ class Acceptance:
             lps = logprobs.get(row)
             if lps is not None:
                 table.logprobs[slot].extend(lps)
-        pick = np.flatnonzero(table.stop_text[s])
-        checked = stop_strings_apply(total[pick], table.min_total[s[pick]])
-        detokenizers, scanners, byte_table = table.detokenizers, table.stop_scanners, self.token_bytes
-        complete = self.complete_utf8
-        for i, slot, tok, check in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist(), checked.tolist()):
-            scanner = scanners[slot]
-            if scanner is None:
-                found = detokenizers[slot].push_and_check(tok, check)
-            else:
-                if not scanner.dirty and complete[tok] and not scanner.may_stop(
-                        byte_table, table.outputs[slot], len(byte_table[tok])):
-                    continue  # no stop possible: decoding waits until the output is built
-                found = self._exact_stop_check(table.requests[slot], detokenizers[slot], scanner)
-            if found is not None:
-                stop[i] = found
+        stop.update(self._stop_strings(s, token, total))
         for i in sorted({*np.flatnonzero(length | eos).tolist(), *stop}):
             request = table.requests[s[i]]
             reason = stop.get(i)
@@ -156,15 +176,36 @@ class Acceptance:
         for slot in s[total - table.prompt_len[s] == 1].tolist():
             table.requests[slot].first_token_time = now
         self.outputs.stream(map(table.requests.__getitem__, s[table.stream[s]].tolist()))
-        multi_rows, multi_accepted = self._accept_several(np.flatnonzero(multi), slots, tokens, counts, offsets,
-                                                          computed, now)
-        accepted_counts[multi_rows] = multi_accepted
-        # -- rows that need per-request code --
+        return token
+
+    def _stop_strings(self, s: np.ndarray, token: np.ndarray, total: np.ndarray) -> dict[int, str]:
+        """Of slots ``s`` that took ``token``, those whose stop string it completes: index into ``s`` -> the string."""
+        table = self.scheduler.table
+        pick = np.flatnonzero(table.stop_text[s])
+        checked = stop_strings_apply(total[pick], table.min_total[s[pick]])
+        detokenizers, scanners, byte_table = table.detokenizers, table.stop_scanners, self.token_bytes
+        complete = self.complete_utf8
+        stop = {}
+        for i, slot, tok, check in zip(pick.tolist(), s[pick].tolist(), token[pick].tolist(), checked.tolist()):
+            scanner = scanners[slot]
+            if scanner is None:
+                found = detokenizers[slot].push_and_check(tok, check)
+            else:
+                if not scanner.dirty and complete[tok] and not scanner.may_stop(
+                        byte_table, table.outputs[slot], len(byte_table[tok])):
+                    continue  # no stop possible: decoding waits until the output is built
+                found = self._exact_stop_check(table.requests[slot], detokenizers[slot], scanner)
+            if found is not None:
+                stop[i] = found
+        return stop
+
+    def _accept_per_request(self, rows: np.ndarray, slots: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
+                            computed: np.ndarray, logprobs: dict, now: float) -> dict[int, list[int]]:
+        """Rows that need per-request code (several tokens and a per-token check): row -> its accepted tokens."""
+        table = self.scheduler.table
         per_row: dict[int, list[int]] = {}
-        flat = None
-        for r in np.flatnonzero(live & samples & ~simple & ~multi).tolist():
-            if flat is None:
-                flat = tokens.tolist()
+        flat = tokens.tolist() if rows.size else []
+        for r in rows.tolist():
             slot = int(slots[r])
             request = table.requests[slot]
             row_tokens = flat[offsets[r] : offsets[r + 1]]
@@ -179,31 +220,11 @@ class Acceptance:
             if accepted and request.first_token_time is None:
                 request.first_token_time = now
             per_row[r] = accepted
-            accepted_counts[r] = len(accepted)
             if not request.group.final_only:
                 self.outputs.due(request.group)
             if request.finished:
                 self.finished_row(request)
-        if not per_row and bool(simple.all()):
-            self.last_tokens, self.last_counts = token.astype(np.int32), None
-        else:
-            out = np.zeros(int(accepted_counts.sum()), dtype=np.int32)
-            at = offsets_of(accepted_counts)
-            out[at[rows]] = token
-            if multi_rows.size:
-                c = counts[multi_rows]
-                row_ix = np.repeat(np.arange(len(multi_rows)), c)
-                pos = np.arange(int(c.sum())) - offsets_of(c)[:-1][row_ix]
-                keep = pos < multi_accepted[row_ix]
-                out[(at[multi_rows][row_ix] + pos)[keep]] = tokens[(offsets[multi_rows][row_ix] + pos)[keep]]
-            for r, accepted in per_row.items():
-                out[at[r] : at[r] + len(accepted)] = accepted
-            self.last_tokens, self.last_counts = out, accepted_counts
-        if self.drafts is not None:
-            counts_now = self.last_counts if self.last_counts is not None else np.ones(n, dtype=np.int32)
-            self.drafts.append(slots, counts_now, self.last_tokens)
-        self.metrics.steps += 1
-        self.metrics.generation_rate.add(self.metrics.generated_tokens - generated_before, now)
+        return per_row
 
     def _exact_stop_check(self, request: Request, detok: IncrementalDetokenizer, scanner: StopScanner) -> str | None:
         """Push the row's tokens the detokenizer has not seen, checking each as ``_accept`` would;
@@ -336,3 +357,22 @@ def gather(plan: StepPlan, results: Sequence[StepResult]) -> tuple[np.ndarray, n
     for result in ordered:
         logprobs.update(result.logprobs)
     return tokens, counts, logprobs
+
+
+def _accepted_flat(accepted_counts: np.ndarray, rows: np.ndarray, token: np.ndarray, multi_rows: np.ndarray,
+                   multi_accepted: np.ndarray, counts: np.ndarray | None, tokens: np.ndarray, offsets: np.ndarray,
+                   per_row: dict[int, list[int]]) -> np.ndarray:
+    """Every row's accepted tokens, flat in row order (``accepted_counts[r]`` for row r): what the next plan
+    sends to the workers."""
+    out = np.zeros(int(accepted_counts.sum()), dtype=np.int32)
+    at = offsets_of(accepted_counts)
+    out[at[rows]] = token
+    if multi_rows.size:
+        c = counts[multi_rows]
+        row_ix = np.repeat(np.arange(len(multi_rows)), c)
+        pos = np.arange(int(c.sum())) - offsets_of(c)[:-1][row_ix]
+        keep = pos < multi_accepted[row_ix]
+        out[(at[multi_rows][row_ix] + pos)[keep]] = tokens[(offsets[multi_rows][row_ix] + pos)[keep]]
+    for r, accepted in per_row.items():
+        out[at[r] : at[r] + len(accepted)] = accepted
+    return out

@@ -93,6 +93,20 @@ class SlotTable:
         if request.kv is not None:
             request.kv.num_computed = int(self.computed[slot])
 
+    def prompt_progress(self, slots: np.ndarray, start: np.ndarray, count: np.ndarray) -> tuple[int, list[Request]]:
+        """Rows ``slots`` fed ``count[i]`` tokens from ``start[i]`` this step: the tokens computed for a prompt (every
+        token fed but a generating row's last one, its decode token: a recomputed prefix counts), and the first
+        sibling of each request whose prompt this step completes."""
+        total, prompt_len = self.total[slots], self.prompt_len[slots]
+        decoding = (start + count == total) & (total > prompt_len)
+        in_prompt = (start + 1 < total) | (start < prompt_len)
+        ready = []
+        for i in np.flatnonzero(in_prompt).tolist():
+            request = self.requests[int(slots[i])]
+            if request.child_index == 0 and start[i] + count[i] >= len(request.prompt_token_ids):
+                ready.append(request)
+        return int((count - decoding).sum()), ready
+
     def release(self, slot: int) -> None:
         request = self.requests[slot]
         if request is not None:
