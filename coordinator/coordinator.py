@@ -36,9 +36,9 @@ from coordinator.output.detokenizer import REPLACEMENT_CHAR, IncrementalDetokeni
 from coordinator.output.outputs import OutputBuilder
 from coordinator.output.stop_bytes import StopScanner
 from coordinator.request import FinishReason, Request, RequestGroup, RequestOutput, RequestStatus
-from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch
+from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch, group_by_owner
 from coordinator.schedule.plan_arrays import drafts_by_row, runs_by_row
-from coordinator.schedule.scheduler import Scheduler, StepSchedule, group_by_owner
+from coordinator.schedule.scheduler import Scheduler, StepSchedule
 from coordinator.spec.draft_policy import DraftPolicy
 from coordinator.spec.ngram_batch import BatchNgramDrafter
 from coordinator.spec.ngram_drafter import NgramDrafter

@@ -155,3 +155,29 @@ class PersistentBatch:
         """This step's changes as a frozen ``BatchUpdate`` (``None`` if nothing changed)."""
         self._updated_this_step = False
         return self._builder.get_and_reset(self.num_reqs)
+
+
+def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
+    """Swap rows so each worker's requests form one contiguous range, in worker order.
+
+    Returns each worker's [start, stop) as a (workers, 2) array. Only rows outside their
+    owner's range move, and each swap puts at least one row in place, so a step costs
+    O(misplaced rows): when one worker's share grows and another's shrinks, about one row
+    per boundary in between (keeping each worker's rows in their old order would shift
+    every row between the two).
+    """
+    counts = np.bincount(owner_by_row, minlength=num_workers)[:num_workers]
+    stops = np.cumsum(counts)
+    target = np.repeat(np.arange(num_workers), counts)
+    wrong = np.flatnonzero(owner_by_row != target)
+    if wrong.size:
+        owner = {row: int(owner_by_row[row]) for row in wrong.tolist()}
+        holes: dict[int, list[int]] = {}  # worker -> misplaced rows inside its range
+        for row in reversed(wrong.tolist()):
+            holes.setdefault(int(target[row]), []).append(row)
+        for row in wrong.tolist():
+            while owner[row] != target[row]:
+                hole = holes[owner[row]].pop()  # lowest first
+                batch.swap(row, hole)
+                owner[row], owner[hole] = owner[hole], owner[row]
+    return np.stack([stops - counts, stops], axis=1)

@@ -38,7 +38,6 @@ import numpy as np
 from coordinator.kv_blocks import KVCacheManager, chain_keys, extend_keys
 from coordinator.request import Request
 from coordinator.schedule.owner_choice import OwnerPicker
-from coordinator.schedule.persistent_batch import PersistentBatch
 from coordinator.schedule.slot_table import SlotTable
 
 # (slots that sample this step, in arrival order; token budget left) -> (drafts per slot, drafts flat)
@@ -166,40 +165,57 @@ class Scheduler:
     # ----- one step -----
 
     def schedule(self, running: np.ndarray, propose: DraftProposer | None) -> StepSchedule:
-        """``running``: slots of the requests in the batch that stay (finished ones already released)."""
+        """``running``: slots of the requests in the batch that stay (finished ones already released). In order:
+        one token each for the running rows, prefill chunks extended, drafts for the rows that sample, then
+        admissions, each from the token budget the ones before left."""
         table = self.table
         out = StepSchedule(np.zeros(table.capacity, np.int64), np.zeros(table.capacity, np.int64))
-        budget = self.max_num_batched_tokens
         running = running[np.argsort(table.arrival[running], kind="stable")]  # arrival order
+        active = self._running_rows(running, out)
+        budget = self.max_num_batched_tokens - len(active)
+        if self.step_multiple > 1:
+            budget = self._aligned_budget(active, out, budget)
+        budget = self._extend_prefills(active, out, budget)
+        if propose is not None:
+            samples = table.computed[active] + out.num_tokens[active] == table.total[active]
+            sampling = active[samples]
+            if sampling.size:
+                counts, flat = propose(sampling, budget)
+                budget -= self._take_drafts(sampling, counts, flat, budget, out)
+        admitted = self._admit(active, out, budget)
+        out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
+        return out
+
+    def _running_rows(self, running: np.ndarray, out: StepSchedule) -> np.ndarray:
+        """One token each, preempting the newest request of an owner that has no block left; the rows that stay."""
+        table = self.table
         computed = table.computed[running]
         needs_block = computed + 1 > table.cap[running]
         short = np.bincount(table.owner[running][needs_block], minlength=self.num_workers) > np.array(
             [pool.num_free for pool in self.kv.pools])
-        # 1. one token each, preempting the newest request of an owner that has no block left.
         if short.any():
-            active = self._one_token_each(running, out)
+            return self._one_token_each(running, out)
+        out.start[running] = computed
+        out.num_tokens[running] = 1
+        commits = table.salted[running] & ((computed + 1) // self.kv.block_size > table.registered[running])
+        prefill = computed + 1 < table.total[running]
+        if self._no_eviction(table.owner[running][needs_block]):
+            # Allocations take never-cached blocks only, so they cannot change the prefix
+            # index that commits write: decode rows get their block in bulk (arrival order
+            # within each owner, as one by one), the rest go one by one.
+            decode = running[needs_block & ~prefill]
+            self._grow_in_bulk(decode, np.ones(len(decode), dtype=np.int64), out)
+            changing = prefill
+            self._publish_filled(running[commits & ~prefill])
         else:
-            active = running
-            out.start[running] = computed
-            out.num_tokens[running] = 1
-            commits = table.salted[running] & ((computed + 1) // self.kv.block_size > table.registered[running])
-            prefill = computed + 1 < table.total[running]
-            if self._no_eviction(table.owner[running][needs_block]):
-                # Allocations take never-cached blocks only, so they cannot change the prefix
-                # index that commits write: decode rows get their block in bulk (arrival order
-                # within each owner, as one by one), the rest go one by one.
-                decode = running[needs_block & ~prefill]
-                self._grow_in_bulk(decode, np.ones(len(decode), dtype=np.int64), out)
-                changing = prefill
-                self._publish_filled(running[commits & ~prefill])
-            else:
-                changing = needs_block | commits | prefill
-            for slot in running[changing].tolist():
-                self._extend(table.requests[slot], out)
-        budget -= len(active)
-        if self.step_multiple > 1:
-            budget = self._aligned_budget(active, out, budget)
-        # 2. prefills extend their chunk.
+            changing = needs_block | commits | prefill
+        for slot in running[changing].tolist():
+            self._extend(table.requests[slot], out)
+        return running
+
+    def _extend_prefills(self, active: np.ndarray, out: StepSchedule, budget: int) -> int:
+        """Prefills extend their chunk, in arrival order, within the budget; returns the budget left."""
+        table = self.table
         remaining = table.total[active] - table.computed[active] - out.num_tokens[active]
         for slot in active[remaining > 0].tolist():
             if budget <= 0:
@@ -215,16 +231,13 @@ class Scheduler:
                 out.num_tokens[slot] += extra
                 self._extend(request, out)
                 budget -= extra
-        # 3. drafts for rows that sample this step.
-        if propose is not None:
-            samples = table.computed[active] + out.num_tokens[active] == table.total[active]
-            sampling = active[samples]
-            if sampling.size:
-                counts, flat = propose(sampling, budget)
-                budget -= self._take_drafts(sampling, counts, flat, budget, out)
-        # 4. admissions.
-        rows = len(active)
-        admitted = []
+        return budget
+
+    def _admit(self, active: np.ndarray, out: StepSchedule, budget: int) -> list[int]:
+        """Waiting requests admitted in order while the budget, the rows, the blocks and the adapters allow;
+        their slots."""
+        table = self.table
+        rows, admitted = len(active), []
         preempted_ids = {r.request_id for r in out.preempted}
         picker = OwnerPicker(self) if self.waiting else None
         adapters = {id_of(table.requests[s]) for s in active.tolist()} - {None} if self.waiting else set()
@@ -240,24 +253,9 @@ class Scheduler:
             adapter = id_of(request)
             if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
                 continue  # its adapter would be one more than a worker holds: it waits for a step with room
-            salt = request.cache_salt(self.kv.prefix_caching)
-            keys = None
-            if request.pinned_owner is not None:
-                owner = self._pinned_owner(request)
-            else:
-                if salt is not None and len(self.alive) > 1 and request.kv is None:
-                    keys = chain_keys(request.all_token_ids(), self.kv.block_size, salt)
-                owner = picker.pick(keys)
+            owner = self._place(request, picker)
             if owner is None:
                 break
-            if request.kv is None or request.kv_owner != owner:
-                held_by = request.kv_owner
-                self.drop_kv(request)
-                if held_by is not None:
-                    picker.touched(held_by)  # its blocks came free
-                request.kv = self.kv.start(owner, request.all_token_ids(), salt, keys)
-                request.kv_owner = owner
-            request.owner = owner
             chunk = self._affordable(request, min(request.num_tokens - request.kv.num_computed, budget,
                                                   self._chunk_cap(request)))
             if chunk == 0:
@@ -277,8 +275,29 @@ class Scheduler:
             out.new_blocks[slot] = list(request.kv.block_table)  # the worker's table starts empty
             budget -= chunk
             rows += 1
-        out.scheduled = np.concatenate([active, np.array(admitted, np.int64)])
-        return out
+        return admitted
+
+    def _place(self, request: Request, picker: OwnerPicker) -> int | None:
+        """The worker an admitted request runs on (None: none can take it now), its KV started there."""
+        salt = request.cache_salt(self.kv.prefix_caching)
+        keys = None
+        if request.pinned_owner is not None:
+            owner = self._pinned_owner(request)
+        else:
+            if salt is not None and len(self.alive) > 1 and request.kv is None:
+                keys = chain_keys(request.all_token_ids(), self.kv.block_size, salt)
+            owner = picker.pick(keys)
+        if owner is None:
+            return None
+        if request.kv is None or request.kv_owner != owner:
+            held_by = request.kv_owner
+            self.drop_kv(request)
+            if held_by is not None:
+                picker.touched(held_by)  # its blocks came free
+            request.kv = self.kv.start(owner, request.all_token_ids(), salt, keys)
+            request.kv_owner = owner
+        request.owner = owner
+        return owner
 
     def _chunk_cap(self, request: Request) -> int:
         """The most tokens a step computes of this request: bounded while its prompt gives logits."""
@@ -470,29 +489,3 @@ class Scheduler:
         row; the others get theirs from ``OwnerPicker``."""
         owner = request.pinned_owner
         return owner if owner in self.alive and self.load[owner] < self.rows_per_worker else None
-
-
-def group_by_owner(batch: PersistentBatch, owner_by_row: np.ndarray, num_workers: int) -> np.ndarray:
-    """Swap rows so each worker's requests form one contiguous range, in worker order.
-
-    Returns each worker's [start, stop) as a (workers, 2) array. Only rows outside their
-    owner's range move, and each swap puts at least one row in place, so a step costs
-    O(misplaced rows): when one worker's share grows and another's shrinks, about one row
-    per boundary in between (keeping each worker's rows in their old order would shift
-    every row between the two).
-    """
-    counts = np.bincount(owner_by_row, minlength=num_workers)[:num_workers]
-    stops = np.cumsum(counts)
-    target = np.repeat(np.arange(num_workers), counts)
-    wrong = np.flatnonzero(owner_by_row != target)
-    if wrong.size:
-        owner = {row: int(owner_by_row[row]) for row in wrong.tolist()}
-        holes: dict[int, list[int]] = {}  # worker -> misplaced rows inside its range
-        for row in reversed(wrong.tolist()):
-            holes.setdefault(int(target[row]), []).append(row)
-        for row in wrong.tolist():
-            while owner[row] != target[row]:
-                hole = holes[owner[row]].pop()  # lowest first
-                batch.swap(row, hole)
-                owner[row], owner[hole] = owner[hole], owner[row]
-    return np.stack([stops - counts, stops], axis=1)
