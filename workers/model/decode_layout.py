@@ -35,6 +35,43 @@ def choose_segments(own: np.ndarray) -> list[tuple[int, int]]:
     return [(int(blocks[s]), int(blocks[e]) + 1) for s, e in zip(starts, ends)]
 
 
+def _cover_owned(own: np.ndarray, num_blocks: int, needs_masked: bool) -> tuple[list[tuple[int, int]],
+                                                                               np.ndarray | None, int]:
+    """The entries 0..span-1 of the blocks read by one row: pool segments back to back, or one compact copy
+    (``gather``) where segments would waste too much. ``needs_masked``: padding needs an entry no row owns, so
+    one more block is covered where every covered one is owned. Returns (segments, gather, span)."""
+    segments = choose_segments(own)
+    gather = None
+    covered = sum(hi - lo for lo, hi in segments)
+    if covered > MAX_WASTE * own.size:
+        gather, segments, covered = own, [(0, own.size)], own.size
+    if needs_masked and covered == own.size:
+        if gather is None and segments[-1][1] < num_blocks:
+            segments[-1] = (segments[-1][0], segments[-1][1] + 1)
+        elif gather is None and segments[0][0] > 0:
+            segments[0] = (segments[0][0] - 1, segments[0][1])
+        else:  # no unowned block next to the segments: a compact copy plus a masked copy of one block
+            gather = np.append(own, own[0])
+            segments = [(0, gather.size)]
+        covered += 1
+    return segments, gather, covered
+
+
+def _shared_lanes(shared: np.ndarray, used_shared: np.ndarray, rows_shared: np.ndarray, lanes: int, span: int,
+                  num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks several rows read get one entry per reader (a lane) after the owned span: each such (row, block)
+    pair's entry, and each shared block's lane -> row (``num_rows`` for an unused lane)."""
+    shared_index = np.searchsorted(shared, used_shared)
+    order = np.argsort(shared_index, kind="stable")
+    sorted_index = shared_index[order]
+    first = np.searchsorted(sorted_index, sorted_index)  # start of each block's run
+    lane = np.empty_like(shared_index)
+    lane[order] = np.arange(sorted_index.size) - first
+    lane_rows = np.full((shared.size, lanes), num_rows, dtype=np.int64)
+    lane_rows[shared_index, lane] = rows_shared
+    return span + shared_index * lanes + lane, lane_rows
+
+
 def block_major_layout(tables: Sequence[Sequence[int]], query_positions: Sequence[Sequence[int]],
                        query_offsets: Sequence[int], block_size: int, num_blocks: int,
                        device: torch.device) -> BlockMajorDecode:
@@ -61,24 +98,11 @@ def block_major_layout(tables: Sequence[Sequence[int]], query_positions: Sequenc
 
     # Blocks read by one row: entries 0..span-1, the segments back to back (or one compact copy).
     own = used[~shared_pair]
-    segments = choose_segments(own)
-    gather = None
-    covered = sum(hi - lo for lo, hi in segments)
-    if covered > MAX_WASTE * own.size:
-        gather, segments, covered = own, [(0, own.size)], own.size
     pad_entry = None
     shared = distinct[users > 1]
     lanes = int(users.max()) + 1 if shared.size else 0  # one spare lane: a masked entry for padding
-    if not shared.size and covered == own.size and width != int(counts.min()):
-        # Padding needs a masked entry and every covered block is owned: cover one more block.
-        if gather is None and segments[-1][1] < num_blocks:
-            segments[-1] = (segments[-1][0], segments[-1][1] + 1)
-        elif gather is None and segments[0][0] > 0:
-            segments[0] = (segments[0][0] - 1, segments[0][1])
-        else:  # no unowned block next to the segments: a compact copy plus a masked copy of one block
-            gather = np.append(own, own[0])
-            segments = [(0, gather.size)]
-        covered += 1
+    needs_masked = not shared.size and width != int(counts.min())
+    segments, gather, covered = _cover_owned(own, num_blocks, needs_masked)
     span = covered
     if gather is not None:
         local = np.arange(own.size)
@@ -98,15 +122,8 @@ def block_major_layout(tables: Sequence[Sequence[int]], query_positions: Sequenc
     entry_of_pair[~shared_pair] = local
     lane_rows = None
     if shared.size:
-        shared_index = np.searchsorted(shared, used[shared_pair])
-        order = np.argsort(shared_index, kind="stable")
-        sorted_index = shared_index[order]
-        first = np.searchsorted(sorted_index, sorted_index)  # start of each block's run
-        lane = np.empty_like(shared_index)
-        lane[order] = np.arange(sorted_index.size) - first
-        entry_of_pair[shared_pair] = span + shared_index * lanes + lane
-        lane_rows = np.full((shared.size, lanes), num_rows, dtype=np.int64)
-        lane_rows[shared_index, lane] = pair_row[shared_pair]
+        entry_of_pair[shared_pair], lane_rows = _shared_lanes(shared, used[shared_pair], pair_row[shared_pair],
+                                                              lanes, span, num_rows)
     row_of_block = np.zeros(span, dtype=np.int64)
     row_of_block[local] = pair_row[~shared_pair]
     key_pos = np.full((entries, block_size), -1, dtype=np.int64)

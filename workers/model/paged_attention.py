@@ -381,27 +381,7 @@ def paged_attention(
     if s_aux is None:
         s_aux = kwargs.get("sinks")
     if packed_step.static is not None:  # traced or captured: no bookkeeping on the host
-        k_pool, v_pool = packed_step.cache.keys[module.layer_idx], packed_step.cache.values[module.layer_idx]
-        head_dim = query.shape[3]
-        for flat_pool, new in ((packed_step.cache.flat_keys[module.layer_idx], key),
-                               (packed_step.cache.flat_values[module.layer_idx], value)):
-            rows = new.reshape(-1, head_dim)  # head-major: (kv_heads * N, d), as the static write slots
-            flat_pool.index_copy_(0, packed_step.write_slots, rows if rows.dtype == flat_pool.dtype
-                                  else rows.to(flat_pool.dtype))
-        scale = scaling if scaling is not None else head_dim**-0.5
-        static = packed_step.static
-        if static.flex is not None:  # (1, heads, rows, d) as rows of one query each
-            out = flex_paged_attention(query[0].transpose(0, 1).unsqueeze(2), k_pool, v_pool, static.flex, scale,
-                                       softcap, _window(sliding_window), s_aux)
-            return out.squeeze(2).unsqueeze(0), None
-        if static.native:
-            rows = query.shape[2]
-            out = native_paged_decode_op(query[0].transpose(0, 1).contiguous(), k_pool, v_pool, static.block_tables,
-                                         torch.arange(rows, device=query.device).view(rows, 1),
-                                         static.positions.view(rows, 1), scale, softcap, _window(sliding_window), s_aux)
-            return out.unsqueeze(0), None
-        out = _static_decode(static, query, k_pool, v_pool, scale, softcap, _window(sliding_window), s_aux)
-        return out, None
+        return _fixed_shape_step(module, query, key, value, packed_step, scaling, sliding_window, softcap, s_aux), None
     packed_step.seen_kwargs.update(n for n, v in (("sliding_window", sliding_window), ("softcap", softcap),
                                                   ("s_aux", s_aux)) if v is not None)
     window = _window(sliding_window)
@@ -439,35 +419,70 @@ def paged_attention(
         attn = attn.view(rows, kv_heads, dec.q_len, groups_per_kv, head_dim).transpose(1, 2)
         out[dec.tokens] = attn.reshape(-1, heads, head_dim)[dec.valid_flat].to(out.dtype)
     for group in packed_step.groups:
-        # (rows * blocks, kv, bs, d) -> (kv, rows, L, d): one block-wise gather per group and layer.
-        rows, blocks = group.rows, group.key_len // cache.block_size
-
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            picked = pool.index_select(0, group.block_index).view(rows, blocks, kv_heads, cache.block_size, head_dim)
-            return picked.permute(2, 0, 1, 3, 4).reshape(kv_heads, rows, group.key_len, head_dim)
-
-        if packed_step.flex:  # every row's keys read where they lie
-            q = q_all[group.token_index].transpose(1, 2)  # (rows, heads, q, d)
-            attn = flex_paged_attention(q, k_pool, v_pool, group.flex_layout(cache, kv_heads, heads), scale, softcap,
-                                        window, s_aux)
-            flat = attn.transpose(1, 2).reshape(-1, heads, head_dim)
-            out[group.tokens] = flat[group.valid_flat].to(out.dtype)
-            continue
-        k, v = gather(k_pool), gather(v_pool)
-        q = q_all[group.token_index]  # (rows, q, heads, d)
-        allowed, additive = group.masks(window)
-        if softcap is None and s_aux is None and group.q_len > 1:
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2).to(k.dtype), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed.unsqueeze(1),
-                scale=scale, enable_gqa=True,
-            )  # (rows, heads, q, d)
-            flat = attn.transpose(1, 2).reshape(-1, heads, head_dim)
-        else:
-            q = q.view(group.rows, group.q_len, kv_heads, groups_per_kv, head_dim).permute(2, 0, 3, 1, 4)
-            attn = _manual_attention(q, k, v, additive, scale, softcap, s_aux)  # (kv, rows, g, q, d)
-            flat = attn.permute(1, 3, 0, 2, 4).reshape(-1, heads, head_dim)
+        flat = _group_attention(group, q_all, k_pool, v_pool, cache, packed_step.flex, scale, softcap, window, s_aux)
         out[group.tokens] = flat[group.valid_flat].to(out.dtype)
     return out.unsqueeze(0), None  # (1, N, heads, head_dim)
+
+
+def _fixed_shape_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      packed_step: PackedStep, scaling: float | None, sliding_window: int | None,
+                      softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """A decode step traced or captured at a fixed shape (``workers.model.static_decode``): the new keys written
+    to their slots, then one query per row against its blocks, with no host bookkeeping."""
+    k_pool, v_pool = packed_step.cache.keys[module.layer_idx], packed_step.cache.values[module.layer_idx]
+    head_dim = query.shape[3]
+    for flat_pool, new in ((packed_step.cache.flat_keys[module.layer_idx], key),
+                           (packed_step.cache.flat_values[module.layer_idx], value)):
+        rows = new.reshape(-1, head_dim)  # head-major: (kv_heads * N, d), as the static write slots
+        flat_pool.index_copy_(0, packed_step.write_slots, rows if rows.dtype == flat_pool.dtype
+                              else rows.to(flat_pool.dtype))
+    scale = scaling if scaling is not None else head_dim**-0.5
+    static = packed_step.static
+    if static.flex is not None:  # (1, heads, rows, d) as rows of one query each
+        out = flex_paged_attention(query[0].transpose(0, 1).unsqueeze(2), k_pool, v_pool, static.flex, scale,
+                                   softcap, _window(sliding_window), s_aux)
+        return out.squeeze(2).unsqueeze(0)
+    if static.native:
+        rows = query.shape[2]
+        out = native_paged_decode_op(query[0].transpose(0, 1).contiguous(), k_pool, v_pool, static.block_tables,
+                                     torch.arange(rows, device=query.device).view(rows, 1),
+                                     static.positions.view(rows, 1), scale, softcap, _window(sliding_window), s_aux)
+        return out.unsqueeze(0)
+    out = _static_decode(static, query, k_pool, v_pool, scale, softcap, _window(sliding_window), s_aux)
+    return out
+
+
+def _group_attention(group: AttentionGroup, q_all: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     cache: PagedKVCache, flex: bool, scale: float, softcap: float | None, window: int | None,
+                     s_aux: torch.Tensor | None) -> torch.Tensor:
+    """One group's attention (rows of a few queries each, padded to one key length): (rows * q, heads, d)."""
+    kv_heads, head_dim, heads = k_pool.shape[1], q_all.shape[2], q_all.shape[1]
+    groups_per_kv = heads // kv_heads
+    # (rows * blocks, kv, bs, d) -> (kv, rows, L, d): one block-wise gather per group and layer.
+    block_size = cache.block_size
+    rows, blocks = group.rows, group.key_len // block_size
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        picked = pool.index_select(0, group.block_index).view(rows, blocks, kv_heads, block_size, head_dim)
+        return picked.permute(2, 0, 1, 3, 4).reshape(kv_heads, rows, group.key_len, head_dim)
+
+    if flex:  # every row's keys read where they lie
+        q = q_all[group.token_index].transpose(1, 2)  # (rows, heads, q, d)
+        attn = flex_paged_attention(q, k_pool, v_pool, group.flex_layout(cache, kv_heads, heads), scale,
+                                    softcap, window, s_aux)
+        return attn.transpose(1, 2).reshape(-1, heads, head_dim)
+    k, v = gather(k_pool), gather(v_pool)
+    q = q_all[group.token_index]  # (rows, q, heads, d)
+    allowed, additive = group.masks(window)
+    if softcap is None and s_aux is None and group.q_len > 1:
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2).to(k.dtype), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed.unsqueeze(1),
+            scale=scale, enable_gqa=True,
+        )  # (rows, heads, q, d)
+        return attn.transpose(1, 2).reshape(-1, heads, head_dim)
+    q = q.view(group.rows, group.q_len, kv_heads, groups_per_kv, head_dim).permute(2, 0, 3, 1, 4)
+    attn = _manual_attention(q, k, v, additive, scale, softcap, s_aux)  # (kv, rows, g, q, d)
+    return attn.permute(1, 3, 0, 2, 4).reshape(-1, heads, head_dim)
 
 
 def register_paged_attention() -> None:

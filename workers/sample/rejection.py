@@ -83,15 +83,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
             tracker = sampler.tracker()
             processed, chosen, row_max = sampler.process(step_logits, rows,
                                                          {r: c for r, c in enumerate(appended) if c}, tracker)
-            tokens = chosen.clone()
-            random_rows = active[~greedy[active]]
-            if random_rows.size:
-                index = torch.from_numpy(random_rows).to(tokens.device)
-                sub = processed.index_select(0, torch.from_numpy(random_rows).to(processed.device))
-                random_max = torch.empty(random_rows.size, dtype=sub.dtype, device=sub.device)
-                tokens[index] = sampler.sample_rows(sub, random_rows + rows.start, row_max=random_max).to(tokens.device)
-                before = row_max[index]
-                row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
+            tokens = _with_random_rows(sampler, processed, chosen, row_max, active[~greedy[active]], rows)
             is_active = torch.zeros(n, dtype=torch.bool, device=row_max.device)
             is_active[torch.from_numpy(active).to(row_max.device)] = True
             bad_here = row_errors(row_max, rows, tracker, only=is_active, model_faults=model_faults)
@@ -126,3 +118,18 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: slice, drafts: l
     for row in errors:  # placeholders: the request fails, these tokens are never used
         emitted[row - rows.start], lps[row - rows.start] = [0], None
     return DraftVerification(tokens=emitted, logprobs=lps, errors=errors, model_faults=model_faults)
+
+
+def _with_random_rows(sampler: Sampler, processed: torch.Tensor, chosen: torch.Tensor, row_max: torch.Tensor,
+                      random_rows: np.ndarray, rows: slice) -> torch.Tensor:
+    """The position's tokens: the greedy ``chosen`` with ``random_rows`` sampled from ``processed`` (their maxima
+    into ``row_max``, a row bad at the greedy point staying bad)."""
+    tokens = chosen.clone()
+    if random_rows.size:
+        index = torch.from_numpy(random_rows).to(tokens.device)
+        sub = processed.index_select(0, torch.from_numpy(random_rows).to(processed.device))
+        random_max = torch.empty(random_rows.size, dtype=sub.dtype, device=sub.device)
+        tokens[index] = sampler.sample_rows(sub, random_rows + rows.start, row_max=random_max).to(tokens.device)
+        before = row_max[index]
+        row_max[index] = torch.where(torch.isfinite(before), random_max.to(row_max.dtype), before)
+    return tokens
