@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 # Only the standard library above: the rest (torch, Ray, pydantic) is imported in ``_run``, after the
 # signal handlers are in place and held while torch loads, so Ctrl-C or SIGTERM in those seconds is an
@@ -236,32 +236,105 @@ def exit_now(code: int) -> NoReturn:
         os._exit(code)
 
 
+def _configured(config: Any, args: argparse.Namespace) -> Any:
+    """The config with the command line's overrides laid over it (job name, tensor parallelism, served names,
+    adapters)."""
+    if args.job_name:
+        config = config.model_copy(update={"cluster": config.cluster.model_copy(
+            update={"coordinator_name": args.job_name})})
+    if args.tensor_parallel_size is not None:
+        config = config.model_copy(update={"model": config.model.model_copy(
+            update={"tensor_parallel_size": args.tensor_parallel_size})})
+    if getattr(args, "served_model_name", None):
+        config = config.model_copy(update={"model": config.model.model_copy(
+            update={"served_model_name": args.served_model_name})})
+    return with_lora_options(config, args)
+
+
+def _start_engine(config: Any, args: argparse.Namespace) -> tuple[Any, float] | None:
+    """The engine (Ray first, unless ``--local``) and when Ray was up; None where it could not start (said)."""
+    from cluster.entrypoints.engine_factory import build_engine
+
+    ray_up = time.monotonic()
+    try:
+        if not args.local:
+            from cluster.ray.ray_cluster import ensure_ray
+
+            ensure_ray(config)  # first, so that the time to the first result counts from here
+            ray_up = time.monotonic()
+        return build_engine(config, local=args.local), ray_up
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+              " (--verbose shows the traceback)", file=sys.stderr)
+        return None
+
+
+def _summary(args: argparse.Namespace, counters: Any, stats: dict, ray_up: float) -> int:
+    """The job's closing lines; 1 where the engine failed requests a resume retries, else 0."""
+    elapsed = time.monotonic() - counters.started
+    acceptance = stats.get("spec_acceptance")
+    where = "the engine started (--local)" if args.local else "Ray was up"
+    first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
+    print(
+        f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
+        f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
+        f"= {counters.rate():.0f} tokens/s; spec acceptance "
+        + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
+        flush=True,
+    )
+    print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
+    if counters.first_errors:
+        shown = len(counters.first_errors)
+        print(f"[raysample] {'the first ' + str(shown) + ' of ' if shown < counters.errors else ''}"
+              f"{counters.errors} error(s), each a record with \"error\" in {args.output}:", flush=True)
+        for line in counters.first_errors:
+            print(f"[raysample]   {line}", flush=True)
+    if counters.retryable:  # the engine failed them, not the requests: the caller should resume
+        print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
+              f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _locked_output(args: argparse.Namespace) -> TextIO:
+    """The output, locked against a second job, emptied with ``--overwrite``, else its torn records set aside
+    (said in one line); OutputLocked or OutputUnwritable where it cannot be."""
+    from cluster.entrypoints.job_records import lock_output, rejected_path, set_aside_torn
+
+    lock = lock_output(args.output)
+    try:
+        torn = 0 if args.overwrite else set_aside_torn(args.output)
+        if args.overwrite:
+            lock.truncate(0)
+        elif torn:
+            lock.close()
+            lock = lock_output(args.output)  # the rewritten file is a new one
+    except BaseException:
+        lock.close()
+        raise
+    if torn:
+        print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
+              f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
+    return lock
+
+
 def _run(args: argparse.Namespace) -> int:
     with signals_held():  # torch loads with these modules: an interrupt waits until it has
         from cluster.config import ConfigError, load_config
         from cluster.entrypoints import job_runner
-        from cluster.entrypoints.engine_factory import build_engine
+        from cluster.entrypoints.engine_factory import build_engine  # noqa: F401 - loaded while signals wait
         from cluster.entrypoints.job_formats import GenerateFormat, OpenAIBatchFormat, pending_lines
         from cluster.entrypoints.job_lines import input_lines
         from cluster.entrypoints.job_progress import describe_start
-        from cluster.entrypoints.job_records import (OutputLocked, OutputUnwritable, lock_output, rejected_path,
-                                                     set_aside_torn)
+        from cluster.entrypoints.job_records import OutputLocked, OutputUnwritable
         from cluster.job_paths import JobPathError, check_job_paths
         from cluster.preflight import PreflightError, prepare_run
         from cluster.quiet import quiet_libraries
 
     try:
-        config = load_config(args.config)
-        if args.job_name:
-            config = config.model_copy(update={"cluster": config.cluster.model_copy(
-                update={"coordinator_name": args.job_name})})
-        if args.tensor_parallel_size is not None:
-            config = config.model_copy(update={"model": config.model.model_copy(
-                update={"tensor_parallel_size": args.tensor_parallel_size})})
-        if getattr(args, "served_model_name", None):
-            config = config.model_copy(update={"model": config.model.model_copy(
-                update={"served_model_name": args.served_model_name})})
-        config = with_lora_options(config, args)
+        config = _configured(load_config(args.config), args)
         check_job_paths(args.input, args.output, args.config)
     except (ConfigError, JobPathError) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
@@ -287,41 +360,18 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     line_format = format_of(config)
     try:
-        lock = lock_output(args.output)  # held until this process exits
-    except OutputLocked as exc:
+        lock = _locked_output(args)  # held until the job ends
+    except (OutputLocked, OutputUnwritable) as exc:
         print(f"raysample: {exc}", file=sys.stderr)
         return 2
     try:  # the output's lock is let go however the job ends (a caller's process may go on)
-        try:
-            torn = 0 if args.overwrite else set_aside_torn(args.output)
-            if args.overwrite:
-                lock.truncate(0)
-            elif torn:
-                lock.close()
-                lock = lock_output(args.output)  # the rewritten file is a new one
-        except (OutputLocked, OutputUnwritable) as exc:
-            print(f"raysample: {exc}", file=sys.stderr)
-            return 2
-        if torn:
-            print(f"raysample: warning: {torn} torn record(s) in {args.output} (not a JSON object) were moved to "
-                  f"{rejected_path(args.output)}; their lines run again", file=sys.stderr, flush=True)
         resumed = f" ({total - pending} already in {args.output})" if pending < total else ""
         print(f"[raysample] starting {describe_start(config, args.local)} for {pending} request(s){resumed}", flush=True)
         line_format.prefetch_tokenizer()
-        ray_up = time.monotonic()
-        try:
-            if not args.local:
-                from cluster.ray.ray_cluster import ensure_ray
-
-                ensure_ray(config)  # first, so that the time to the first result counts from here
-                ray_up = time.monotonic()
-            backend = build_engine(config, local=args.local)
-        except Exception as exc:
-            if args.verbose:
-                traceback.print_exc()
-            print(f"raysample: the engine could not start: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                  " (--verbose shows the traceback)", file=sys.stderr)
+        started = _start_engine(config, args)
+        if started is None:
             return 1
+        backend, ray_up = started
         try:
             name = getattr(backend, "name", None)
             print(f"[raysample] {'engine ' + name + ': ' if name else ''}{backend.stats()['kv_cache']}", flush=True)
@@ -342,29 +392,7 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         finally:
             shut_down(backend, args.verbose)
-        elapsed = time.monotonic() - counters.started
-        acceptance = stats.get("spec_acceptance")
-        where = "the engine started (--local)" if args.local else "Ray was up"
-        first = "" if counters.first_result is None else f"; first result {counters.first_result - ray_up:.1f}s after {where}"
-        print(
-            f"[raysample] summary: {counters.done} requests done, {counters.errors} errors, "
-            f"{counters.skipped} skipped (already in {args.output}); {counters.tokens} tokens in {elapsed:.1f}s "
-            f"= {counters.rate():.0f} tokens/s; spec acceptance "
-            + ("n/a" if acceptance is None else f"{acceptance:.0%}") + first,
-            flush=True,
-        )
-        print(f"[raysample] {prompt_tokens_line(stats)}", flush=True)
-        if counters.first_errors:
-            shown = len(counters.first_errors)
-            print(f"[raysample] {'the first ' + str(shown) + ' of ' if shown < counters.errors else ''}"
-                  f"{counters.errors} error(s), each a record with \"error\" in {args.output}:", flush=True)
-            for line in counters.first_errors:
-                print(f"[raysample]   {line}", flush=True)
-        if counters.retryable:  # the engine failed them, not the requests: the caller should resume
-            print(f"raysample: {counters.retryable} request(s) failed because the engine did (written with "
-                  f"\"retryable\": true); re-running the same command retries them", file=sys.stderr, flush=True)
-            return 1
-        return 0
+        return _summary(args, counters, stats, ray_up)
     finally:
         lock.close()
 
