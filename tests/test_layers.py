@@ -1,8 +1,10 @@
 """The layers run one way (processors <- workers <- coordinator <- cluster), and no module of a layer
-imports itself back through others (no import circles): import-linter checks both."""
+imports itself back through others (no import circles): import-linter checks both. The rooms stay readable:
+no file over 500 lines, no function over 80, in the packages a step runs through."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,25 @@ def test_layers_contract_holds():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "7 kept, 0 broken" in done.stdout
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def test_no_file_over_500_lines_and_no_function_over_80_in_coordinator_workers_and_cluster():
+    files, functions = [], []
+    for package in ("coordinator", "workers", "cluster"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.read_text()
+            name = path.relative_to(ROOT)
+            if source.count("\n") > MAX_FILE_LINES:
+                files.append(f"{name}: {source.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        functions.append(f"{name}: {node.name} {length} lines")
+    assert files == [] and functions == [], files + functions
 
 
 def test_import_raysample_gives_the_public_names_without_starting_ray():
