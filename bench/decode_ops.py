@@ -20,8 +20,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.schedule.persistent_batch import BatchEntry, PersistentBatch  # noqa: E402

@@ -6,7 +6,6 @@ JSONL job, run-batch's ``echo`` and Ray Data's column. On Ray: tests/cluster/ray
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml

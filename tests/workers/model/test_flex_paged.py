@@ -17,7 +17,7 @@ from workers.model.flex_paged import flex_layout, flex_paged_attention
 def reference(q, k_pool, v_pool, tables, query_pos, scale, softcap, window, sinks):
     """Row by row: gather the row's keys in table order, mask by position, softmax (with the sink), values."""
     rows, heads, q_len, dim = q.shape
-    kv, bs = k_pool.shape[1], k_pool.shape[2]
+    kv = k_pool.shape[1]
     out = torch.zeros(rows, heads, q_len, dim, dtype=torch.float64)
     for r in range(rows):
         keys = k_pool[tables[r]].permute(1, 0, 2, 3).reshape(kv, -1, dim).double()  # (kv, width*bs, d)

@@ -34,7 +34,7 @@ def run(sync_free: bool, counted: list[tuple[int, int]] | None = None, monkeypat
     try:
         engine.workers[0].sampler.sync_free = sync_free
         if counted is not None:
-            sample, finish = Sampler.sample, None
+            sample = Sampler.sample
 
             def counting(self, logits, rows=None):
                 with SyncCounter() as before:
