@@ -61,10 +61,12 @@ def peft_greedy(base: str | Path, adapter: str | Path | None, prompt: list[int],
     model = _peft_model(str(base), None if adapter is None else str(adapter))
     ids = torch.tensor([prompt])
     tokens: list[int] = []
+    past = None
     with torch.inference_mode():
-        for _ in range(max_tokens):
-            logits = model(input_ids=ids).logits[0, -1]
-            token = int(logits.argmax())
+        for _ in range(max_tokens):  # with the KV cache: each step feeds only the last token
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            ids = torch.tensor([[token]])
     return tokens
