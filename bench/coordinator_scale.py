@@ -51,8 +51,11 @@ from cluster.config import load_config, resolve  # noqa: E402
 
 try:
     from cluster.engine.setup import coordinator_from_config  # noqa: E402
-except ImportError:  # a checkout from before the coordinator was split into rooms (--before)
-    from coordinator.coordinator import coordinator_from_config  # noqa: E402
+except ImportError:  # checkouts from before issue 82 (--before)
+    try:
+        from coordinator.factory import coordinator_from_config  # noqa: E402
+    except ImportError:  # from before the coordinator was split into rooms
+        from coordinator.coordinator import coordinator_from_config  # noqa: E402
 from processors import SamplingParams  # noqa: E402
 
 ROWS_PER_WORKER = 256
@@ -66,7 +69,7 @@ else:  # a checkout from before (--before)
 try:
     from workers.wire import TokenLogprobs  # noqa: E402
 except ImportError:  # its home before issue 39 (--before)
-    from workers.wire import TokenLogprobs  # noqa: E402
+    from workers.sample.sampler import TokenLogprobs  # noqa: E402
 
 
 def config(workers: int, mix: str) -> Any:
