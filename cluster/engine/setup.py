@@ -102,7 +102,7 @@ def runner_config(config: RaysampleConfig) -> RunnerConfig:
         tensor_parallel_size=model.tensor_parallel_size, enforce_eager=model.enforce_eager,
         cudagraph_capture_sizes=model.cudagraph_capture_sizes,
         max_step_tokens=config.scheduler.max_num_batched_tokens, batch_invariant=model.batch_invariant,
-        row_tile=model.cpu_row_tile,
+        row_tile=model.cpu_row_tile, smallest_row_tile=model.cpu_smallest_row_tile,
         lora=LoraLimits(lora.max_loras, lora.max_cpu_loras or lora.max_loras, lora.max_lora_rank)
         if lora.enabled else None)
 

@@ -14,6 +14,13 @@ position among the ``tile`` rows or on the other rows' values; every kernel meas
 AMX Xeon's too, at T = 16 and 32), and it is checked once per (shape, dtype, CPU) when a model loads: a
 kernel that fails it runs one real row per call instead (correct, slow, and said in one line).
 
+Short calls: a step of 2 rows padded to 64 costs a 64-row forward (a 2-row chat turn ran at 5 tokens/s on 2
+cores). So a call with fewer than ``tile`` rows may take a smaller size from a fixed ladder (``tile``, ``tile/2``,
+... down to ``model.cpu_smallest_row_tile``), but only a size whose kernel gives every row the bits the tile's
+gives it, at any place in the call: checked once per (shape, dtype, size, CPU) like the tile's own property,
+and a size that fails is never used (AMX's bfloat16 kernel changes below 23-33 rows: there the ladder shrinks
+to the sizes that agree). The call sizes are fixed by settings, not by the batch; the check only removes sizes.
+
 The tile is a setting (``model.cpu_row_tile``), not a measurement, so every process of every run computes
 the same bits; its default was chosen by measured speed (``bench/e2e.py --against invariance-off``).
 """
@@ -39,12 +46,15 @@ logger = logging.getLogger(__name__)
 Compute = Callable[[torch.Tensor], torch.Tensor]  # [M, in_features] -> [M, out_features]
 
 DEFAULT_TILE = 64
+DEFAULT_SMALLEST = 8  # below about 8 rows a call costs what 8 rows cost here (the weights' reading dominates)
 
 
-def in_tiles(compute: Compute, rows: torch.Tensor, tile: int, one_per_call: bool = False) -> torch.Tensor:
-    """``compute(rows)`` with every call of ``compute`` exactly ``tile`` rows: padded with zeros, or split.
-    ``one_per_call``: each real row alone in its call (at the first position), for a kernel whose rows are
-    not independent of their place in a call."""
+def in_tiles(compute: Compute, rows: torch.Tensor, tile: int, one_per_call: bool = False,
+             smaller: tuple[int, ...] = ()) -> torch.Tensor:
+    """``compute(rows)`` with every call of ``compute`` exactly ``tile`` rows (split, the last part padded with
+    zeros) or, for a last part that fits one, the smallest of the ``smaller`` sizes (ascending, each checked to
+    give a row the tile's bits: ``agrees_with_tile``). ``one_per_call``: each real row alone in a call of
+    ``tile`` (at the first position), for a kernel whose rows are not independent of their place in a call."""
     count = rows.shape[0]
     if count == tile and not one_per_call:
         return compute(rows)
@@ -53,10 +63,24 @@ def in_tiles(compute: Compute, rows: torch.Tensor, tile: int, one_per_call: bool
     for start in range(0, count, step):
         part = rows[start:start + step]
         real = part.shape[0]
-        if real < tile:
-            part = torch.cat([part, part.new_zeros(tile - real, part.shape[1])])
-        outputs.append(compute(part)[:real])
-    return torch.cat(outputs) if outputs else compute(rows.new_zeros(tile, rows.shape[1]))[:0]
+        size = tile if one_per_call else next((s for s in smaller if s >= real), tile)
+        if real < size:
+            part = torch.cat([part, part.new_zeros(size - real, part.shape[1])])
+        outputs.append(compute(part)[:real] if real < size else compute(part))
+    if not outputs:
+        return compute(rows.new_zeros(smaller[0] if smaller else tile, rows.shape[1]))[:0]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def ladder(tile: int, smallest: int) -> tuple[int, ...]:
+    """The call sizes below ``tile`` a short call may take, ascending: ``tile/2``, ``tile/4``, ... while whole
+    and at least ``smallest``."""
+    sizes = []
+    size = tile
+    while size % 2 == 0 and size // 2 >= max(1, smallest):
+        size //= 2
+        sizes.append(size)
+    return tuple(reversed(sizes))
 
 
 def kernel_of(module: nn.Module) -> Compute | None:
@@ -79,6 +103,25 @@ def rows_independent(compute: Compute, in_features: int, dtype: torch.dtype, til
         if not torch.equal(compute(x.roll(shift, 0)).roll(-shift, 0), base):
             return False
     alone = torch.cat([x[:1], x.new_zeros(tile - 1, in_features)])
+    return torch.equal(compute(alone)[0], base[0])
+
+
+@torch.inference_mode()
+def agrees_with_tile(compute: Compute, in_features: int, dtype: torch.dtype, tile: int, size: int) -> bool:
+    """Whether calls of ``size`` rows give every row the bits a call of ``tile`` rows gives it: the tile's rows
+    in calls of ``size`` (the last one padded), rolled within a call, and alone with zeros."""
+    generator = torch.Generator().manual_seed(2027)
+    x = (torch.randn(tile, in_features, generator=generator) * 3).to(dtype)
+    base = compute(x)
+    pieces = []
+    for part in x.split(size):
+        padded = torch.cat([part, part.new_zeros(size - part.shape[0], in_features)])
+        pieces.append(compute(padded)[:part.shape[0]])
+    if not torch.equal(torch.cat(pieces), base):
+        return False
+    if size > 1 and not torch.equal(compute(x[:size].roll(1, 0)).roll(-1, 0), base[:size]):
+        return False
+    alone = torch.cat([x[:1], x.new_zeros(size - 1, in_features)])
     return torch.equal(compute(alone)[0], base[0])
 
 
@@ -136,42 +179,55 @@ def checked_once(store: Path | None, shape: tuple, check: Callable[[], bool], ti
     return _checked(store, _verdict_key(shape, tile), check)
 
 
-def fix_row_counts(model: nn.Module, tile: int = DEFAULT_TILE, store: Path | None = None) -> dict[str, int]:
-    """Run every CPU linear of ``model`` (prepacked or plain) in calls of exactly ``tile`` rows; returns, by
+def fix_row_counts(model: nn.Module, tile: int = DEFAULT_TILE, store: Path | None = None,
+                   smallest: int | None = None) -> dict[str, int]:
+    """Run every CPU linear of ``model`` (prepacked or plain) in calls of exactly ``tile`` rows, or of the
+    ``ladder(tile, smallest)`` sizes its kernel agrees at (``smallest`` None: the tile alone); returns, by
     module name, the rows each call of it computes for real (``tile``, or 1 where the kernel's rows were not
-    independent within a call)."""
+    independent within a call). Each module's usable sizes are its ``row_sizes``."""
     if tile < 1:
         raise ValueError(f"model.cpu_row_tile must be at least 1, got {tile}")
-    verdicts: dict[tuple, bool] = {}
+    verdicts: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
     installed: dict[str, int] = {}
     for name, module in model.named_modules():
         compute = kernel_of(module)
         if compute is None:
             continue
-        tile_here = tile
         weight = module.weight if type(module) is nn.Linear else module.packed_weight
         if weight.device.type != "cpu":
             continue
         dtype = module.weight.dtype if type(module) is nn.Linear else module.weight_dtype
-        shape = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype),
-                 tile_here)
+        shape = (type(module).__name__, module.in_features, module.out_features, module.bias is None, str(dtype), tile)
         if shape not in verdicts:
-            verdicts[shape] = _checked(store, _verdict_key(shape, tile_here),
-                                       lambda: rows_independent(compute, module.in_features, dtype, tile_here))
-            if not verdicts[shape]:
-                logger.warning("linear %s x %s (%s): a row's bits depend on its place in a call of %d rows on this "
-                               "CPU; it runs one real row per call (slow)", shape[1], shape[2], dtype, tile_here)
-        _install(module, compute, tile_here, one_per_call=not verdicts[shape])
-        installed[name] = tile_here if verdicts[shape] else 1
+            verdicts[shape] = _verdicts(store, shape, compute, module.in_features, dtype, tile,
+                                        ladder(tile, smallest) if smallest is not None else ())
+        independent, smaller = verdicts[shape]
+        _install(module, compute, tile, one_per_call=not independent, smaller=smaller)
+        installed[name] = tile if independent else 1
     return installed
 
 
-def _install(module: nn.Module, compute: Compute, tile: int, one_per_call: bool) -> None:
+def _verdicts(store: Path | None, shape: tuple, compute: Compute, width: int, dtype: torch.dtype, tile: int,
+              sizes: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+    """Whether the tile's rows are independent in a call, and the sizes below it that agree with it."""
+    independent = _checked(store, _verdict_key(shape, tile), lambda: rows_independent(compute, width, dtype, tile))
+    if not independent:
+        logger.warning("linear %s x %s (%s): a row's bits depend on its place in a call of %d rows on this CPU; it "
+                       "runs one real row per call (slow)", shape[1], shape[2], dtype, tile)
+        return False, ()
+    smaller = tuple(size for size in sizes
+                    if _checked(store, _verdict_key((*shape, "size", size), tile),
+                                lambda size=size: agrees_with_tile(compute, width, dtype, tile, size)))
+    return True, smaller
+
+
+def _install(module: nn.Module, compute: Compute, tile: int, one_per_call: bool, smaller: tuple[int, ...]) -> None:
     width = module.in_features
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, width)
-        return in_tiles(compute, flat, tile, one_per_call).view(*x.shape[:-1], -1)
+        return in_tiles(compute, flat, tile, one_per_call, smaller).view(*x.shape[:-1], -1)
 
     module.forward = MethodType(forward, module)
     module.row_tile = tile
+    module.row_sizes = (*smaller, tile) if not one_per_call else (tile,)

@@ -189,7 +189,7 @@ class ModelRunner:
         if merge and not cpu_fused and tp == 1:
             merge_layers(self.model, paged_attention)
         if self.batch_invariant:
-            fix_row_counts(self.model, config.row_tile, cache_root() / "row-tiles")
+            fix_row_counts(self.model, config.row_tile, cache_root() / "row-tiles", config.smallest_row_tile)
         if lora is not None:
             tile = config.row_tile
             tiled = (lambda compute, rows: in_tiles(compute, rows, tile)) if self.batch_invariant else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.cpu.row_tiles import DEFAULT_TILE
+from workers.cpu.row_tiles import DEFAULT_SMALLEST, DEFAULT_TILE
 from workers.model.lora import LoraLimits
 
 
@@ -20,9 +20,10 @@ class RunnerConfig:
     ``merge_projections``: Llama-style layers in fewer operators (``workers.model.merged_layers``); unset,
     wherever the CPU's own fusion is not used. ``hf_config``: the Hugging Face config the run already read
     (``workers.model.model_facts``); None: read here. ``max_step_tokens``: the scheduler's token budget (the
-    largest step a GPU's memory is set aside for). ``batch_invariant`` (CPU, one rank): every linear called with exactly
-    ``row_tile`` rows (``workers.cpu.row_tiles``) and every query attended in the native kernel, so a row's bits
-    depend neither on its batch nor on its prompt's chunking. ``lora``: serve LoRA adapters per request
+    largest step a GPU's memory is set aside for). ``batch_invariant`` (CPU, one rank): every linear called with
+    exactly ``row_tile`` rows or a checked smaller size down to ``smallest_row_tile`` (``workers.cpu.row_tiles``),
+    and every query attended in the native kernel, so a row's bits depend neither on its batch nor on its
+    prompt's chunking. ``lora``: serve LoRA adapters per request
     (``workers.model.lora``): each projection stays a module of its own, and steps run eager."""
 
     model_path: str
@@ -45,4 +46,5 @@ class RunnerConfig:
     max_step_tokens: int = 2048
     batch_invariant: bool = True
     row_tile: int = DEFAULT_TILE
+    smallest_row_tile: int = DEFAULT_SMALLEST
     lora: LoraLimits | None = None

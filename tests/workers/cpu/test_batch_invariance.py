@@ -39,11 +39,16 @@ def relative(dtype: torch.dtype) -> float:
 
 
 class FakeKernels:
-    """Installs both fakes; ``row_counts`` records every linear call's rows."""
+    """Installs both fakes; ``row_counts`` records every linear call's rows. ``agree_at``: row counts at which
+    the fake linear gives the tile's bits (a kernel that the row ladder may use there); at every other count
+    its bits move. Verdicts are not kept on disk (the real kernels' would not describe the fakes)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, agree_at: tuple[int, ...] = ()) -> None:
+        from workers.cpu import row_tiles
+
         self.row_counts: set[int] = set()
         fakes = self
+        same = {TILE, *agree_at}
 
         def compute(self: PrepackedLinear, flat: torch.Tensor) -> torch.Tensor:
             weight = self.__dict__.get("_dense")
@@ -53,7 +58,8 @@ class FakeKernels:
             fakes.row_counts.add(rows)
             out = exact_rows(flat, weight, self.bias).float()
             eps = relative(flat.dtype)
-            factor = torch.full((rows, 1), 1 + eps * ((rows * 7919) % 5 + 1))  # another at every row count
+            count = TILE if rows in same else rows
+            factor = torch.full((rows, 1), 1 + eps * ((count * 7919) % 5 + 1))  # another at every other row count
             tail = torch.arange(rows) >= rows - rows % 8
             factor[tail] *= 1 + eps * (torch.arange(rows)[tail].unsqueeze(1) % 3 + 1)
             return (out * factor).to(flat.dtype)
@@ -71,6 +77,7 @@ class FakeKernels:
 
         monkeypatch.setattr(PrepackedLinear, "compute", compute)
         monkeypatch.setattr(paged_attention, "native_paged_decode", attention)
+        monkeypatch.setattr(row_tiles, "_checked", lambda store, key, check: check())
 
 
 def prompts() -> list[list[int]]:
@@ -84,12 +91,14 @@ def params(i: int) -> SamplingParams:
                           seed=i if seeded else None, top_p=0.95 if seeded else 1.0)
 
 
-def engine(dtype: str, invariant: bool) -> LocalEngine:
+def engine(dtype: str, invariant: bool, smallest: int = 8) -> LocalEngine:
     """A token budget of 48 (every long prompt is chunked, at other places alone and batched), 48 rows over a
-    KV cache of 40 blocks, a fifth of what they need at their longest (preemption)."""
+    KV cache of 40 blocks, a fifth of what they need at their longest (preemption). ``smallest``: the row
+    ladder's smallest size (TILE / 2 = 8 by default: the fakes reject it unless they agree there)."""
     block_bytes = 2 * 2 * 16 * 2 * 16 * (4 if dtype == "float32" else 2)  # K and V, 2 layers, 2 KV heads of 16
     return LocalEngine({"model": {"tiny": "default", "dtype": dtype, "max_model_len": 128,
-                                  "batch_invariant": invariant, "cpu_row_tile": TILE},
+                                  "batch_invariant": invariant, "cpu_row_tile": TILE,
+                                  "cpu_smallest_row_tile": smallest},
                         "scheduler": {"max_num_seqs": 48, "max_num_batched_tokens": 48},
                         "cache": {"block_size": 16, "kv_cache_memory": 40 * block_bytes}})
 
@@ -124,6 +133,22 @@ def test_alone_equals_batched_chunked_preempted_and_restarted_with_kernels_worse
         eng.shutdown()
     assert alone == batched
     assert fakes.row_counts == {TILE}  # every CPU linear call the runner issued had the fixed row count
+
+
+def test_short_calls_take_only_the_ladder_sizes_whose_kernel_gives_the_tiles_bits(monkeypatch):
+    """A fake linear that gives the tile's bits at 8 rows and other bits at every other count (4 included):
+    the load-time check keeps 8 and drops 4 from the ladder (16, 8, 4), short calls take 8 rows, and the
+    requests still keep their bits alone and batched, chunked, preempted and restarted."""
+    fakes = FakeKernels(monkeypatch, agree_at=(8,))
+    eng = engine("float32", invariant=True, smallest=4)
+    fakes.row_counts.clear()
+    try:
+        batched = batched_with_a_restart(eng)
+        alone = [record(eng.generate([p], params(i))[0]) for i, p in enumerate(prompts()[:12])]
+    finally:
+        eng.shutdown()
+    assert alone == batched
+    assert fakes.row_counts == {8, TILE}  # every call 16 rows or, for a short one, 8
 
 
 def test_with_the_construction_switched_off_the_fakes_move_the_bits(monkeypatch):

@@ -162,6 +162,46 @@ def test_tiles_pad_and_split_every_call_to_the_fixed_count_and_keep_the_rows_in_
     assert torch.equal(in_tiles(compute, x[:5], 16, one_per_call=True), x[:5] * 2) and calls == [16] * 5
 
 
+def test_a_short_call_takes_the_smallest_ladder_size_that_holds_it():
+    x = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
+    calls = []
+
+    def compute(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return rows * 2
+
+    for count, expected in ((1, [4]), (4, [4]), (5, [8]), (9, [16]), (16, [16]), (17, [16, 4]), (30, [16, 16]),
+                            (0, [4])):
+        calls.clear()
+        assert torch.equal(in_tiles(compute, x[:count], 16, smaller=(4, 8)), x[:count] * 2)
+        assert calls == expected, (count, calls)
+    assert row_tiles.ladder(64, 8) == (8, 16, 32) and row_tiles.ladder(48, 8) == (12, 24)
+    assert row_tiles.ladder(64, 64) == () and row_tiles.ladder(64, 100) == () and row_tiles.ladder(16, 1) == (1, 2, 4, 8)
+
+
+def test_only_the_ladder_sizes_whose_kernel_gives_the_tiles_bits_are_used(tmp_path, monkeypatch):
+    """A kernel like AMX's bfloat16 one (other bits past 32 rows) agrees with the 64-row tile at no smaller size:
+    every call takes 64 rows. A kernel with other bits only at 16 rows or fewer keeps 32 alone."""
+    weight = small_integers(32, 48) + torch.rand(32, 48)  # not exact: a kernel's order shows in the bits
+    exact = one_row_at_a_time(weight)
+
+    def other_bits_at_or_below(threshold: int):
+        def compute(x: torch.Tensor) -> torch.Tensor:
+            out = exact(x)
+            return out * (1 + 2**-20) + 0.5**20 if x.shape[0] <= threshold else out
+        return compute
+
+    for kernel, sizes in ((fake_amx(weight, 32), (64,)), (other_bits_at_or_below(16), (32, 64)), (exact, (8, 16, 32, 64))):
+        model = nn.Sequential(nn.Linear(48, 32, bias=False))
+        monkeypatch.setattr(row_tiles, "kernel_of", lambda module, k=kernel: k if type(module) is nn.Linear else None)
+        fix_row_counts(model, 64, None, smallest=8)
+        assert model[0].row_sizes == sizes
+        x = torch.randn(70, 48)
+        in_a_tile = torch.cat([kernel(x[:64]), kernel(torch.cat([x[64:], x.new_zeros(58, 48)]))[:6]])
+        for count in (1, 9, 33, 70):  # whatever the count, a row's bits are the ones it has in a tile
+            assert torch.equal(model(x[:count]), in_a_tile[:count]), (sizes, count)
+
+
 def test_a_kernel_whose_rows_depend_on_their_place_in_the_call_runs_one_real_row_a_call(tmp_path, caplog):
     """The construction needs one thing of a kernel at the tile's count: that a row's bits do not depend on
     its place or its neighbours. Checked once per host; a kernel that fails it computes one real row a call."""
