@@ -163,7 +163,8 @@ def fake_results(plan: Any, workers: int, rng: np.random.Generator, wants_logpro
 
 def fake_worker(cfg: Any, worker_id: int) -> Any:
     if ARRAYS:
-        from workers.doubles.fake_runner import RandomLogitsRunner
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+        from fake_runner import RandomLogitsRunner
     else:  # a checkout from before it existed (--before)
         class RandomLogitsRunner:  # type: ignore[no-redef]
             def __init__(self, vocab: int, seed: int) -> None:

@@ -70,7 +70,7 @@ no_idle_ray_processes()
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Collection imported every test module and with them torch, transformers and Ray: some 500,000
     objects that live as long as the worker. Frozen, the full collections the tests' own garbage sets
-    off no longer walk them (as the engine's actors do after start-up, ``cluster.startup_heap``)."""
+    off no longer walk them (as the engine's actors do after start-up, ``cluster.ray.startup_heap``)."""
     gc.freeze()
 
 

@@ -15,7 +15,7 @@ class CoordinatorActor:
     def __init__(self, config: Any, placement: Any = None, workers: list[Any] | None = None,
                  kv_note: str | None = None, tokenizer: Any = None) -> None:
         from cluster.quiet import quiet_libraries, quiet_teardown
-        from cluster.startup_heap import collection_paused
+        from cluster.ray.startup_heap import collection_paused
 
         with collection_paused():  # until the step loop freezes the start-up heap
             from cluster.ray.step_loop import StepLoop

@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from cluster.startup_heap import collection_paused, freeze_startup_heap
+from cluster.ray.startup_heap import collection_paused, freeze_startup_heap
 from workers.row_work import RowWork
 from workers.wire import TensorRank
 

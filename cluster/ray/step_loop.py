@@ -17,7 +17,7 @@ from cluster.engine.engine_step import EngineFault
 from cluster.engine.setup import coordinator_from_config, coordinator_inputs
 from cluster.ray.ray_executor import RayExecutor
 from cluster.ray.ray_metrics import EngineRayMetrics
-from cluster.startup_heap import freeze_startup_heap
+from cluster.ray.startup_heap import freeze_startup_heap
 from coordinator.request import RequestOutput
 
 

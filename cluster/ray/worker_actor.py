@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from cluster.ray.rank_actor import launch_followers, prepare_process
-from cluster.startup_heap import collection_paused, freeze_startup_heap
+from cluster.ray.startup_heap import collection_paused, freeze_startup_heap
 from workers.model.tensor_parallel import TensorGroupLost
 from workers.row_work import RowWork
 from workers.wire import StepPlan, StepResult, TensorRank, WorkerInfo

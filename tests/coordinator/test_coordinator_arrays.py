@@ -24,7 +24,7 @@ from coordinator.coordinator_config import CoordinatorConfig, KVSettings, ModelI
 from cluster.engine.setup import coordinator_from_config
 from coordinator.spec.ngram_drafter import NgramDrafter
 from processors import SamplingParams
-from workers.doubles.fake_runner import RandomLogitsRunner
+from fake_runner import RandomLogitsRunner
 from workers.model.tiny import ensure_tiny_model
 from workers.sample.sampler import Sampler
 from workers.step.worker import Worker

@@ -1,1 +1,1 @@
-"""Runners that stand in for a model: random logits for coordinator tests, a modelled GPU step time for scale-out benches."""
+"""A runner that stands in for a model with a modelled GPU step time (``model.simulate``, scale-out benches)."""

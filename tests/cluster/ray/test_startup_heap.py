@@ -1,4 +1,4 @@
-"""Freezing an engine process's start-up heap (``cluster.startup_heap``): what is tracked at the freeze
+"""Freezing an engine process's start-up heap (``cluster.ray.startup_heap``): what is tracked at the freeze
 is never collected (start-up garbage included, by choice: collecting it cost more than it frees), and
 what is allocated afterwards is still collected."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from cluster.startup_heap import collection_paused, freeze_startup_heap
+from cluster.ray.startup_heap import collection_paused, freeze_startup_heap
 
 
 class _Node:
