@@ -22,9 +22,11 @@ own. Prepacked oneDNN weights (``workers.cpu.cpu_linear``) are used for the fuse
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from types import MethodType
 
 import torch
@@ -36,6 +38,7 @@ from workers.cpu.cpu_linear import PrepackedLinear
 
 logger = logging.getLogger(__name__)
 
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # a kept verdict is this code's
 _PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -132,14 +135,24 @@ def _same_outputs(reference: Callable[[torch.Tensor], torch.Tensor], candidate: 
 
 
 class Verdicts:
-    """The checks' results by shape (and dtype, device, kind): a layer like one checked before takes its verdict."""
+    """The checks' results by shape (and dtype, device, kind): a layer like one checked before takes its verdict.
+    With a ``store``, a yes/no verdict is also kept on disk for this CPU, torch, thread count and code
+    (``row_tiles.checked_once``): every worker process of every run would otherwise check again (about 2 s of
+    a real model's load here, the check's own prepacked copies included)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Path | None = None) -> None:
         self._seen: dict[tuple, object] = {}
+        self.store = store
 
-    def of(self, key: tuple, check: Callable[[], object]) -> object:
+    def of(self, key: tuple, check: Callable[[], object], yes_no: bool = False) -> object:
         if key not in self._seen:
-            self._seen[key] = check()
+            if yes_no and self.store is not None:
+                from workers.cpu.row_tiles import checked_once
+
+                shape = ("cpu-fusion", *map(repr, key), _SOURCE_DIGEST)
+                self._seen[key] = checked_once(self.store, shape, lambda: bool(check()))
+            else:
+                self._seen[key] = check()
         return self._seen[key]
 
 
@@ -164,7 +177,7 @@ def _fuse_llama_mlp(module: nn.Module, verdicts: Verdicts) -> bool:
                              MethodType(_llama_mlp_forward, _FusedMlpView(fused, down_packed)),
                              linears[0].in_features, linears[0].weight)
 
-    if not verdicts.of(("mlp", type(module.act_fn), *_shape_key(linears)), check):
+    if not verdicts.of(("mlp", type(module.act_fn), *_shape_key(linears)), check, yes_no=True):
         return False
     del module.gate_proj, module.up_proj
     module.gate_up, module.down_proj = fused, down_packed
@@ -193,7 +206,7 @@ def _share_input(module: nn.Module, names: tuple[str, ...], verdicts: Verdicts) 
                              lambda x: tuple(group.output(x, i) for i in range(len(names))),
                              linears[0].in_features, linears[0].weight)
 
-    if not verdicts.of(("shared", *_shape_key(linears)), check):
+    if not verdicts.of(("shared", *_shape_key(linears)), check, yes_no=True):
         return False
     module.add_module(f"{names[0]}_shared", group)  # in the module tree once (prepacked already)
     for index, name in enumerate(names):
@@ -269,13 +282,14 @@ def _fuse_rotary(module: nn.Module) -> bool:
     return True
 
 
-def fuse_cpu_layers(model: nn.Module, projections: bool = True) -> dict[str, int]:
+def fuse_cpu_layers(model: nn.Module, projections: bool = True, store: Path | None = None) -> dict[str, int]:
     """Apply every exact swap to ``model``, then prepack the remaining linears; returns what was done.
-    ``projections=False`` keeps each projection a module of its own (LoRA adapters wrap them)."""
+    ``projections=False`` keeps each projection a module of its own (LoRA adapters wrap them). ``store``:
+    where the fused projections' verdicts are kept between processes (None: checked in each)."""
     from workers.cpu.cpu_linear import prepack_linears
 
     counts = {"mlp": 0, "shared_input": 0, "rms_norm": 0, "rotary": 0}
-    verdicts = Verdicts()
+    verdicts = Verdicts(store)
     with torch.inference_mode():
         for module in list(model.modules()):
             if projections and _fuse_llama_mlp(module, verdicts):

@@ -183,7 +183,7 @@ class ModelRunner:
         cpu_fused = (config.prepack_cpu_weights and prepack_available(self.device, self.dtype) and tp == 1
                      and static_mode != "compiled" and not merge)
         if cpu_fused:
-            fuse_cpu_layers(self.model, projections=lora is None)
+            fuse_cpu_layers(self.model, projections=lora is None, store=cache_root() / "cpu-fusion")
         if merge is None:
             merge = (self.device.type != "cpu" or static_mode == "compiled") and lora is None
         if merge and not cpu_fused and tp == 1:

@@ -88,3 +88,31 @@ def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that
         prepack_linears(plain)
         ids = torch.randint(5, 500, (1, 9), generator=torch.Generator().manual_seed(3))
         assert torch.equal(refused(ids).logits, plain(ids).logits)
+
+
+def test_a_fused_projections_verdict_is_kept_for_the_next_process_and_a_kept_no_is_honoured(monkeypatch, tmp_path):
+    """Every worker process of every run would check the same shapes again: the MLP's and q/k/v's yes/no
+    verdicts are kept in the store (per CPU, torch, threads and this code), and a kept "no" fuses nothing."""
+    from workers.cpu import cpu_fusion
+
+    path = build_arch_model("llama")
+    checked = []
+    real = cpu_fusion._same_outputs
+
+    def counting(reference, candidate, width, like):
+        checked.append(width)
+        return real(reference, candidate, width, like)
+
+    monkeypatch.setattr(cpu_fusion, "_same_outputs", counting)
+    first = fuse_cpu_layers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), store=tmp_path)
+    assert first["mlp"] == first["shared_input"] == 2 and len(checked) in (3, 4), (first, checked)
+    checks_first = len(checked)
+    checked.clear()
+    again = fuse_cpu_layers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), store=tmp_path)
+    assert again == first and len(checked) <= checks_first - 2  # the MLP's and q/k/v's verdicts were kept
+    for kept in tmp_path.glob("*.json"):
+        kept.write_text("false")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refused = fuse_cpu_layers(model, store=tmp_path)
+    assert refused["mlp"] == 0  # (gate and up then share their input: a shape of its own, checked here)
+    assert not [name for name, _ in model.named_modules() if name.endswith("q_proj_shared")]
