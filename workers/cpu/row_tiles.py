@@ -14,8 +14,8 @@ position among the ``tile`` rows or on the other rows' values; every kernel meas
 AMX Xeon's too, at T = 16 and 32), and it is checked once per (shape, dtype, CPU) when a model loads: a
 kernel that fails it runs one real row per call instead (correct, slow, and said in one line).
 
-Short calls: a step of 2 rows padded to 64 costs a 64-row forward (a 2-row chat turn ran at 5 tokens/s on 2
-cores). So a call with fewer than ``tile`` rows may take a smaller size from a fixed ladder (``tile``, ``tile/2``,
+Short calls: a step of 1 row padded to 64 costs a 64-row forward (one float32 request ran at 7 tokens/s on 2
+cores where the kernels as they are give 20: ``bench/e2e.py --against invariance-off --requests 1``). So a call with fewer than ``tile`` rows may take a smaller size from a fixed ladder (``tile``, ``tile/2``,
 ... down to ``model.cpu_smallest_row_tile``), but only a size whose kernel gives every row the bits the tile's
 gives it, at any place in the call: checked once per (shape, dtype, size, CPU) like the tile's own property,
 and a size that fails is never used (AMX's bfloat16 kernel changes below 23-33 rows: there the ladder shrinks

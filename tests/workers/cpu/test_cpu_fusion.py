@@ -59,13 +59,11 @@ def test_a_member_called_with_another_input_computes_it_again():
     assert torch.allclose(members[1](x), linears[1](x), atol=1e-6)
 
 
-def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that_shape_unfused(monkeypatch):
-    """Kernels are picked by shape, dtype and CPU: the layers that share the first one's shapes take its
-    verdict, both ways (a failed check leaves all of them as they were, and their logits unchanged)."""
+def counted_checks(monkeypatch) -> list[int]:
+    """The width of every fusion check run from now on (each one still runs)."""
     from workers.cpu import cpu_fusion
 
-    path = build_arch_model("llama")
-    checked = []
+    checked: list[int] = []
     real = cpu_fusion._same_outputs
 
     def counting(reference, candidate, width, like):
@@ -73,6 +71,16 @@ def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that
         return real(reference, candidate, width, like)
 
     monkeypatch.setattr(cpu_fusion, "_same_outputs", counting)
+    return checked
+
+
+def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that_shape_unfused(monkeypatch):
+    """Kernels are picked by shape, dtype and CPU: the layers that share the first one's shapes take its
+    verdict, both ways (a failed check leaves all of them as they were, and their logits unchanged)."""
+    from workers.cpu import cpu_fusion
+
+    path = build_arch_model("llama")
+    checked = counted_checks(monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     counts = fuse_cpu_layers(model)
     assert counts["mlp"] == counts["shared_input"] == 2 and counts["rms_norm"] >= 5, counts
@@ -93,17 +101,8 @@ def test_each_shape_is_checked_once_and_a_failed_check_keeps_every_layer_of_that
 def test_a_fused_projections_verdict_is_kept_for_the_next_process_and_a_kept_no_is_honoured(monkeypatch, tmp_path):
     """Every worker process of every run would check the same shapes again: the MLP's and q/k/v's yes/no
     verdicts are kept in the store (per CPU, torch, threads and this code), and a kept "no" fuses nothing."""
-    from workers.cpu import cpu_fusion
-
     path = build_arch_model("llama")
-    checked = []
-    real = cpu_fusion._same_outputs
-
-    def counting(reference, candidate, width, like):
-        checked.append(width)
-        return real(reference, candidate, width, like)
-
-    monkeypatch.setattr(cpu_fusion, "_same_outputs", counting)
+    checked = counted_checks(monkeypatch)
     first = fuse_cpu_layers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), store=tmp_path)
     assert first["mlp"] == first["shared_input"] == 2 and len(checked) in (3, 4), (first, checked)
     checks_first = len(checked)

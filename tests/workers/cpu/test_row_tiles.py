@@ -57,6 +57,17 @@ def windowed(compute, window: RowWindow | None):
     return compute if window is None else (lambda x: run_in_window(compute, x, window))
 
 
+def recording_doubler():
+    """A kernel that doubles its rows (any order gives the same bits) and the row count of each call."""
+    calls: list[int] = []
+
+    def compute(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return rows * 2
+
+    return compute, calls
+
+
 def test_probe_counts_cover_every_small_count_and_each_kernel_boundary():
     assert probe_counts(20) == [*range(1, 18), 20]
     assert probe_counts(300, every_to=100)[:100] == list(range(1, 101))  # every count a decode step can have
@@ -76,11 +87,7 @@ def test_a_kernel_that_changes_past_32_rows_runs_in_windows_of_32_and_is_invaria
 
 def test_padding_and_splitting_give_the_rows_in_order():
     x = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
-    calls = []
-
-    def compute(rows: torch.Tensor) -> torch.Tensor:
-        calls.append(rows.shape[0])
-        return rows * 2
+    compute, calls = recording_doubler()
 
     assert torch.equal(run_in_window(compute, x, RowWindow(16, 16)), x * 2)
     assert calls == [16] * 5
@@ -148,11 +155,7 @@ def test_a_seeded_requests_tokens_and_logprobs_alone_are_its_batched_ones_bit_fo
 
 def test_tiles_pad_and_split_every_call_to_the_fixed_count_and_keep_the_rows_in_order():
     x = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
-    calls = []
-
-    def compute(rows: torch.Tensor) -> torch.Tensor:
-        calls.append(rows.shape[0])
-        return rows * 2
+    compute, calls = recording_doubler()
 
     for count in (1, 16, 17, 70):
         calls.clear()
@@ -164,11 +167,7 @@ def test_tiles_pad_and_split_every_call_to_the_fixed_count_and_keep_the_rows_in_
 
 def test_a_short_call_takes_the_smallest_ladder_size_that_holds_it():
     x = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
-    calls = []
-
-    def compute(rows: torch.Tensor) -> torch.Tensor:
-        calls.append(rows.shape[0])
-        return rows * 2
+    compute, calls = recording_doubler()
 
     for count, expected in ((1, [4]), (4, [4]), (5, [8]), (9, [16]), (16, [16]), (17, [16, 4]), (30, [16, 16]),
                             (0, [4])):
