@@ -116,9 +116,10 @@ class ModelSection(_Section):
     # kernel. false: the kernels as they are (faster where prompts are long; bits may move with the batch).
     batch_invariant: bool = True
     cpu_row_tile: int = Field(default=64, ge=1, le=4096)
-    # A call of fewer rows may take a smaller size, cpu_row_tile / 2, / 4, ... down to this one, where the CPU's
-    # kernel gives every row the same bits at that size (checked once per shape on each host; a size that
-    # differs is never used). At or above cpu_row_tile: every call takes the tile.
+    # A call of fewer rows (or a long call's last part) may take a smaller size, a multiple of this one below
+    # cpu_row_tile (8, 16, ..., 56), where the CPU's kernel gives every row the same bits at that size (checked
+    # once per shape on each host; a size that differs is never used); a single CPU worker's steps are sized to
+    # multiples of it. At or above cpu_row_tile: every call takes the tile.
     cpu_smallest_row_tile: int = Field(default=8, ge=1, le=4096)
     cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None  # default: 1, 2, 4, 8, 16, 24, ...
     # Ranks per worker (vLLM's tensor_parallel_size): each worker is a group of this many Ray actors,

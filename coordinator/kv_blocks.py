@@ -169,6 +169,19 @@ class KVCacheManager:
         self.hit_tokens += state.num_computed
         return state
 
+    def cached_tokens(self, owner: int, tokens: Sequence[int], salt: bytes | None, coming: set[bytes]) -> int:
+        """The prompt tokens ``start`` would find computed on ``owner``, taking nothing, where the blocks keyed
+        in ``coming`` will be published first (by requests admitted earlier in the same step); adds this
+        prompt's full blocks to ``coming``."""
+        if salt is None:
+            return 0
+        keys = chain_keys(tokens, self.block_size, salt)
+        index = self.pools[owner].index
+        usable = (len(tokens) - 1) // self.block_size
+        hits = next((b for b, key in enumerate(keys[:usable]) if key not in index and key not in coming), usable)
+        coming.update(keys)
+        return hits * self.block_size
+
     def extra_blocks(self, state: KVState, num_tokens_total: int) -> int:
         return max(0, self.blocks_for(num_tokens_total) - len(state.block_table))
 

@@ -109,6 +109,8 @@ class EngineCore:
         if len(set(given)) != len(given) or in_use:
             raise ValueError(f"request id(s) {in_use} already in use" if in_use else
                              "request ids within one call must be distinct")
+        for rid in given:  # an id a finished request had: its undelivered output would be taken for the new one's
+            self.outputs.pop(rid, None)
         with self.coordinator.submitting_together():
             ids = [self.coordinator.add_request(r.prompt, r.params, r.request_id, r.token_ids, r.rejected, final_only)
                    for r in requests]

@@ -40,13 +40,15 @@ def coordinator_inputs(config: RaysampleConfig, tokenizer: Any = None) -> tuple[
 
 
 def step_multiple(config: RaysampleConfig) -> int:
-    """The row count every CPU linear is called with (``model.cpu_row_tile``) where a single CPU worker computes
-    every token of a step: steps that are a multiple of it pad nothing. 1 elsewhere (GPUs; several workers,
-    whose shares of a step are their own)."""
+    """Where a single CPU worker computes every token of a step, the step of the CPU linears' call sizes (the
+    row ladder's multiples of ``model.cpu_smallest_row_tile`` up to ``model.cpu_row_tile``): a step of a
+    multiple of it pads nothing where the worker's check kept the ladder (where it dropped sizes, the step is
+    padded as before; the bits are the same either way). 1 elsewhere (GPUs; several workers, whose shares of
+    a step are their own)."""
     model = config.model
     cpu = config.cluster.gpus_per_worker == 0 and model.simulate is None
     single = config.cluster.num_workers == 1 and model.tensor_parallel_size == 1
-    return model.cpu_row_tile if cpu and single and model.batch_invariant else 1
+    return min(model.cpu_smallest_row_tile, model.cpu_row_tile) if cpu and single and model.batch_invariant else 1
 
 
 def coordinator_config(config: RaysampleConfig, num_blocks: int, block_size: int) -> CoordinatorConfig:

@@ -36,6 +36,12 @@ class OutputBuilder:
         """``group`` has an output to deliver (finished, failed, aborted, or a row's tokens)."""
         self._pending[group.request_id] = group
 
+    def reused(self, request_id: str) -> None:
+        """A new request takes the id of a finished one: that one's undelivered output (an abort's, a
+        failure's) is dropped, since a reader by id would take it for the new request's. Before, it was
+        dropped only when the new request gained a token in the same step: delivery depended on timing."""
+        self._pending.pop(request_id, None)
+
     def stream(self, requests: Iterable[Request]) -> None:
         """Streaming rows that gained tokens this step."""
         self._streamed.extend(requests)

@@ -311,15 +311,23 @@ class Scheduler:
         step can add (running prompts' rest, and the prompts of waiting requests that fit the free rows) is
         counted first; the step grows to the largest multiple it can fill, or not at all (its prompts then go on
         a token a step, with the rows' one token each). Chunking moves no bits here (every query is attended on
-        its own, every linear at one row count), so only the throughput changes: padding is wasted compute."""
+        its own, every linear at one row count), so only the throughput changes: padding is wasted compute.
+        The count is the admissions' own where only the budget cuts them (not free blocks, a prompt-logprobs
+        cap or a request held back), prefix-cache hits included."""
         table = self.table
         used = int(out.num_tokens[active].sum())
         rest = int((table.total[active] - table.computed[active] - out.num_tokens[active]).clip(min=0).sum())
         free_rows = self.max_num_seqs - len(active)
+        owner, coming = min(self.alive, default=0), set()
         for request in self.waiting:
             if free_rows <= 0 or rest >= budget:
                 break
-            rest += request.num_tokens - (request.kv.num_computed if request.kv is not None else 0)
+            if request.kv is not None:
+                cached = request.kv.num_computed
+            else:  # a prefix the cache holds, or an earlier admission of this step fills, is not computed again
+                cached = self.kv.cached_tokens(owner, request.all_token_ids(),
+                                               request.cache_salt(self.kv.prefix_caching), coming)
+            rest += request.num_tokens - cached
             free_rows -= 1
         reach = used + min(rest, budget)
         if reach <= self.step_multiple:

@@ -15,11 +15,13 @@ AMX Xeon's too, at T = 16 and 32), and it is checked once per (shape, dtype, CPU
 kernel that fails it runs one real row per call instead (correct, slow, and said in one line).
 
 Short calls: a step of 1 row padded to 64 costs a 64-row forward (one float32 request ran at 7 tokens/s on 2
-cores where the kernels as they are give 20: ``bench/e2e.py --against invariance-off --requests 1``). So a call with fewer than ``tile`` rows may take a smaller size from a fixed ladder (``tile``, ``tile/2``,
-... down to ``model.cpu_smallest_row_tile``), but only a size whose kernel gives every row the bits the tile's
-gives it, at any place in the call: checked once per (shape, dtype, size, CPU) like the tile's own property,
-and a size that fails is never used (AMX's bfloat16 kernel changes below 23-33 rows: there the ladder shrinks
-to the sizes that agree). The call sizes are fixed by settings, not by the batch; the check only removes sizes.
+cores where the kernels as they are give 20: ``bench/e2e.py --against invariance-off --requests 1``). So a
+call with fewer than ``tile`` rows (or a long call's last part) may take a smaller size from a fixed ladder,
+the multiples of ``model.cpu_smallest_row_tile`` below the tile (8, 16, ..., 56), but only a size whose
+kernel gives every row the bits the tile's gives it, at any place in the call: checked once per (shape,
+dtype, size, CPU) like the tile's own property, and a size that fails is never used (AMX's bfloat16 kernel
+changes below 23-33 rows: there the ladder shrinks to the sizes that agree). The call sizes are fixed by
+settings, not by the batch; the check only removes sizes.
 
 The tile is a setting (``model.cpu_row_tile``), not a measurement, so every process of every run computes
 the same bits; its default was chosen by measured speed (``bench/e2e.py --against invariance-off``).
@@ -73,14 +75,10 @@ def in_tiles(compute: Compute, rows: torch.Tensor, tile: int, one_per_call: bool
 
 
 def ladder(tile: int, smallest: int) -> tuple[int, ...]:
-    """The call sizes below ``tile`` a short call may take, ascending: ``tile/2``, ``tile/4``, ... while whole
-    and at least ``smallest``."""
-    sizes = []
-    size = tile
-    while size % 2 == 0 and size // 2 >= max(1, smallest):
-        size //= 2
-        sizes.append(size)
-    return tuple(reversed(sizes))
+    """The call sizes below ``tile`` a short call may take, ascending: the multiples of ``smallest`` below the
+    tile, so a call pads fewer than ``smallest`` rows (powers of two padded 38 rows to 64)."""
+    smallest = max(1, smallest)
+    return tuple(range(smallest, tile, smallest))
 
 
 def kernel_of(module: nn.Module) -> Compute | None:

@@ -174,13 +174,14 @@ def test_a_short_call_takes_the_smallest_ladder_size_that_holds_it():
         calls.clear()
         assert torch.equal(in_tiles(compute, x[:count], 16, smaller=(4, 8)), x[:count] * 2)
         assert calls == expected, (count, calls)
-    assert row_tiles.ladder(64, 8) == (8, 16, 32) and row_tiles.ladder(48, 8) == (12, 24)
-    assert row_tiles.ladder(64, 64) == () and row_tiles.ladder(64, 100) == () and row_tiles.ladder(16, 1) == (1, 2, 4, 8)
+    assert row_tiles.ladder(64, 8) == (8, 16, 24, 32, 40, 48, 56) and row_tiles.ladder(48, 20) == (20, 40)
+    assert row_tiles.ladder(64, 64) == () and row_tiles.ladder(64, 100) == () and row_tiles.ladder(4, 1) == (1, 2, 3)
 
 
 def test_only_the_ladder_sizes_whose_kernel_gives_the_tiles_bits_are_used(tmp_path, monkeypatch):
-    """A kernel like AMX's bfloat16 one (other bits past 32 rows) agrees with the 64-row tile at no smaller size:
-    every call takes 64 rows. A kernel with other bits only at 16 rows or fewer keeps 32 alone."""
+    """A kernel like AMX's bfloat16 one (other bits at 32 rows or fewer) agrees with the 64-row tile only at the
+    ladder's sizes above 32: short calls take 40, 48, 56 or 64 rows. One with other bits at 16 rows or fewer
+    keeps 24 to 56; an exact one keeps the whole ladder."""
     weight = small_integers(32, 48) + torch.rand(32, 48)  # not exact: a kernel's order shows in the bits
     exact = one_row_at_a_time(weight)
 
@@ -190,7 +191,8 @@ def test_only_the_ladder_sizes_whose_kernel_gives_the_tiles_bits_are_used(tmp_pa
             return out * (1 + 2**-20) + 0.5**20 if x.shape[0] <= threshold else out
         return compute
 
-    for kernel, sizes in ((fake_amx(weight, 32), (64,)), (other_bits_at_or_below(16), (32, 64)), (exact, (8, 16, 32, 64))):
+    for kernel, sizes in ((fake_amx(weight, 32), (40, 48, 56, 64)), (other_bits_at_or_below(16), (24, 32, 40, 48, 56, 64)),
+                           (exact, (8, 16, 24, 32, 40, 48, 56, 64))):
         model = nn.Sequential(nn.Linear(48, 32, bias=False))
         monkeypatch.setattr(row_tiles, "kernel_of", lambda module, k=kernel: k if type(module) is nn.Linear else None)
         fix_row_counts(model, 64, None, smallest=8)
