@@ -89,3 +89,21 @@ def test_e2e_labels_bfloat16_by_what_onednn_runs_not_only_the_cpu_flags():
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("bfloat16 emulated"), done.stdout
+
+
+def test_row_padding_counts_the_rows_the_ladders_compute_for_the_engines_own_schedule():
+    """Deterministic: the same steps cost no more rows with the multiples-of-8 ladder than with the halvings
+    (its sizes include theirs), and no fewer than the steps hold."""
+    import re
+
+    done = subprocess.run([sys.executable, "bench/row_padding.py", "--requests", "64"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.findall(r"^(.+?) ladder (.+?)\s*: +(\d+) steps, (\d+) rows, computed (\d+)", done.stdout, re.M)
+    assert len(found) == 9, done.stdout
+    by_alignment: dict[str, dict[str, int]] = {}
+    for alignment, ladder, _, real, computed in found:
+        assert int(computed) >= int(real) > 0
+        by_alignment.setdefault(alignment.strip(), {})[ladder] = int(computed)
+    for computed in by_alignment.values():
+        assert computed["multiples of 8 (now)"] <= computed["halvings 8-32 (before)"] <= computed["the tile alone"]
