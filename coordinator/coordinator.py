@@ -116,8 +116,7 @@ class Coordinator:
         existing = self.requests.get(request_id)
         if existing is not None and not existing.finished:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if existing is not None:
-            self.outputs.reused(request_id)
+        self.outputs.reused(request_id)  # a finished request's id: its undelivered output is not the new one's
         params = self._params(params)
         text = prompt if isinstance(prompt, str) else None
         try:

@@ -307,13 +307,13 @@ class Scheduler:
 
     def _aligned_budget(self, active: np.ndarray, out: StepSchedule, budget: int) -> int:
         """The prompt tokens this step may add so that it ends on a multiple of ``step_multiple``: on CPU every
-        linear computes that many rows a call, and the rows past the last multiple would be padding. What the
-        step can add (running prompts' rest, and the prompts of waiting requests that fit the free rows) is
-        counted first; the step grows to the largest multiple it can fill, or not at all (its prompts then go on
-        a token a step, with the rows' one token each). Chunking moves no bits here (every query is attended on
-        its own, every linear at one row count), so only the throughput changes: padding is wasted compute.
-        The count is the admissions' own where only the budget cuts them (not free blocks, a prompt-logprobs
-        cap or a request held back), prefix-cache hits included."""
+        linear computes rows in calls of its multiples, and rows past the last one would be padding. What the
+        step can add (running prompts' rest, the prompts of waiting requests that fit the free rows, less their
+        prefix-cache hits) is counted first; while more requests wait than the step has free rows for, the step
+        grows to the largest multiple it can fill, or not at all (its prompts go on a token a step); the last
+        prompts are finished at once. Chunking moves no bits (every query is attended on its own, every linear
+        at fixed row counts): only the throughput changes. The count is exact where only the budget cuts the
+        admissions (not free blocks, a prompt-logprobs cap or a request held back)."""
         table = self.table
         used = int(out.num_tokens[active].sum())
         rest = int((table.total[active] - table.computed[active] - out.num_tokens[active]).clip(min=0).sum())
@@ -330,8 +330,9 @@ class Scheduler:
             rest += request.num_tokens - cached
             free_rows -= 1
         reach = used + min(rest, budget)
-        if reach <= self.step_multiple:
-            return budget  # within one call of the row count, which is padded anyway: fill it
+        backlog = len(self.waiting) > self.max_num_seqs - len(active)  # then the next step has work anyway
+        if reach <= self.step_multiple or (rest <= budget and not backlog):
+            return budget  # within one call (padded anyway), or the last prompts: held, they would cost a step
         target = reach // self.step_multiple * self.step_multiple
         return max(0, min(budget, target - used))
 

@@ -60,6 +60,23 @@ def comparable(path) -> dict:
     return records
 
 
+def assert_same_records(got: dict, want: dict) -> None:
+    """Equal, but for the tokens a request that failed the engine (r9) had when it was convicted: how many
+    depends on how many steps it ran before the fault fired (BoomLate counts its calls), so on its neighbours
+    and on how its prompt was chunked (6 on the one in-process engine, 8 on one of two Ray engines, since steps
+    are aimed at multiples of 8 rows). Those tokens must agree as far as both go."""
+    assert got.keys() == want.keys()
+    for rid, record in got.items():
+        expected = want[rid]
+        if record.get("error") and record.get("token_ids") and expected.get("token_ids"):
+            record, expected = dict(record), dict(expected)
+            tokens, wanted = record.pop("token_ids"), expected.pop("token_ids")
+            both = min(len(tokens), len(wanted))
+            assert tokens[:both] == wanted[:both], (rid, tokens, wanted)
+            record.pop("text"), expected.pop("text")
+        assert record == expected, rid
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     tests_dir = str(Path(__file__).resolve().parents[2] / "support")
@@ -92,7 +109,7 @@ def reference(job_input, tmp_path_factory):
     records = comparable(output)
     if os.environ.get("RAYSAMPLE_RECORD_GOLDEN"):
         GOLDEN.write_text(json.dumps(records, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
-    assert records == json.loads(GOLDEN.read_text())
+    assert_same_records(records, json.loads(GOLDEN.read_text()))
     return records
 
 
@@ -108,7 +125,7 @@ def group(ray_cluster):
 def test_two_engines_write_the_records_of_one(group, job_input, reference, tmp_path):
     output = tmp_path / "out.jsonl"
     counters = run_job(load_config(CONFIG), group, job_input, output, max_in_flight=16)
-    assert comparable(output) == reference
+    assert_same_records(comparable(output), reference)
     assert counters.done == 12 and counters.errors == 3
     assert "its logits contain NaN after logits processor failing_processors.NonFinite" in reference["r7"]["error"]
     assert "made the engine fail on its own" in reference["r9"]["error"] and not reference["r9"].get("retryable")
@@ -133,7 +150,7 @@ def test_a_killed_engine_loses_and_duplicates_nothing(group, job_input, referenc
         ray.kill(group.engines[1]._actor)
 
     run_job(load_config(CONFIG), FaultAfterFirstResults(group, kill_engine_1), job_input, output, max_in_flight=16)
-    assert comparable(output) == reference
+    assert_same_records(comparable(output), reference)
     stats = group.stats()
     assert stats["engines_alive"] == 1 and stats["engines"][1] is None and stats["reruns"] > 0
     for worker in its_workers:  # what the dead engine held was released

@@ -182,17 +182,27 @@ def test_attention_grouped_by_chunk_would_move_the_bits(monkeypatch):
 
 def test_a_single_cpu_workers_steps_are_multiples_of_the_row_count_while_prompts_can_fill_them():
     """Rows past the last multiple of the linears' call sizes (here 8 and 16: the row ladder's step is 8) would
-    be padding (wasted compute): while prompt tokens are waiting the scheduler sizes each step to a multiple of
-    it (32 rows of one token each are one too), and chunking moves no bits. Once the queue is empty the
-    draining rows are what they are."""
+    be padding (wasted compute): while more requests wait than a step has free rows for, the scheduler sizes
+    each step to a multiple of it (32 rows of one token each are one too), and chunking moves no bits. The
+    last prompts are finished at once, and the draining rows are what they are."""
     eng = LocalEngine({"model": {"tiny": "default", "max_model_len": 128, "cpu_row_tile": TILE},
                        "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 100}})
     sizes: list[tuple[int, int]] = []
     launch = eng.executor.launch
 
     def recorded(plan):
-        sizes.append((int(plan.num_tokens.sum()), eng.coordinator.num_waiting()))
+        stayed = len(plan.num_tokens) - (len(plan.update.added) if plan.update is not None else 0)
+        sizes.append((int(plan.num_tokens.sum()), waiting_before[-1] > 32 - stayed))
         return launch(plan)
+
+    waiting_before = [0]
+    next_plan = eng.coordinator.next_plan
+
+    def planned():
+        waiting_before.append(eng.coordinator.num_waiting())
+        return next_plan()
+
+    eng.coordinator.next_plan = planned
 
     eng.executor.launch = recorded
     try:
@@ -200,9 +210,9 @@ def test_a_single_cpu_workers_steps_are_multiples_of_the_row_count_while_prompts
     finally:
         eng.shutdown()
     assert all(o.error is None for o in outs)
-    while_waiting = [tokens for tokens, waiting in sizes if waiting]
-    assert len(while_waiting) > 10 and all(tokens % 8 == 0 for tokens in while_waiting), while_waiting
-    assert any(tokens % TILE for tokens in while_waiting)  # a multiple of 8, not only of the tile
+    with_backlog = [tokens for tokens, backlog in sizes if backlog]
+    assert len(with_backlog) > 10 and all(tokens % 8 == 0 for tokens in with_backlog), with_backlog
+    assert any(tokens % TILE for tokens in with_backlog)  # a multiple of 8, not only of the tile
 
 
 class FakeLoraProducts:
