@@ -37,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 def _concat_linear(linears: list[nn.Linear]) -> nn.Linear:
+    """Built on the meta device, then given the concatenated weights: a default initialisation of the merged
+    matrix (a random fill of every weight of the layer's projections) would only be thrown away."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
     merged = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, dtype=weight.dtype,
-                       device=weight.device)
-    merged.weight.data = weight
+                       device="meta")
+    merged.weight = nn.Parameter(weight, requires_grad=False)
     if merged.bias is not None:
-        merged.bias.data = torch.cat([linear.bias.detach() for linear in linears])
-    return merged.requires_grad_(False)
+        merged.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+    return merged
 
 
 def _close(want: torch.Tensor, got: torch.Tensor) -> bool:
