@@ -12,6 +12,8 @@ import pytest
 from cluster.engine.local_engine import LocalEngine
 from processors import SamplingParams
 
+pytestmark = pytest.mark.long  # over half a minute: scheduled early (tests/conftest.py)
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -21,6 +21,8 @@ from cluster.entrypoints.job_runner import run_job
 from processors import SamplingParams
 from processors.structured_outputs import StructuredOutputsParams
 
+pytestmark = pytest.mark.long  # over half a minute: scheduled early (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
 THINK_END = "</think>"
 

@@ -23,6 +23,8 @@ from cluster.entrypoints.llm import LLM
 from cluster.entrypoints.llm_args import config_from_llm_args
 from processors import LoRARequest, SamplingParams
 
+pytestmark = pytest.mark.long  # over half a minute: scheduled early (tests/conftest.py)
+
 SMOLLM = {"preset": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 256}
 PROMPTS = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378],
            [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2810, 282, 3938]]

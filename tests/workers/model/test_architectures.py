@@ -22,6 +22,8 @@ from workers.model.model_runner import ModelRunner
 from workers.model.model_support import check_model_config
 from workers.model.paged_attention import UnsupportedAttention
 
+pytestmark = pytest.mark.long  # over half a minute: scheduled early (tests/conftest.py)
+
 MAX_TOKENS = 12
 
 

@@ -21,6 +21,8 @@ from workers.model.static_decode import StaticDecoder, capture_sizes, table_widt
 from workers.model.tiny import ensure_tiny_model
 from workers.row_work import RowWork
 
+pytestmark = pytest.mark.long  # over half a minute: scheduled early (tests/conftest.py)
+
 
 def runner(dtype: str = "float32", **kwargs) -> ModelRunner:
     options = dict(max_model_len=256, max_rows=16, verify=False, decode_attention="torch", block_size=16,
