@@ -1,9 +1,9 @@
 """``make test`` runs the suite on two pytest-xdist workers (``--dist loadfile --no-loadscope-reorder``): each
 module whole on one worker, so its fixtures are built once, and the modules that start Ray first, then the
-other long ones, so the short tests fill the cores around them (``tests/test_suite_layout.py`` holds the Makefile to both). Ray
-tests may run beside each other: every private instance is started with ``address="local"`` (a bare
-``ray.init()`` joins whichever cluster this host started last), and the ``ray start --head`` of
-test_ray_job.py takes ports of its own and stops only its own processes. The ``ray`` marker
+other long ones, so the short tests fill the cores around them (``tests/test_suite_layout.py`` holds the
+Makefile to both). Ray tests may run beside each other: every private instance is started with
+``address="local"`` (a bare ``ray.init()`` joins whichever cluster this host started last), and the
+``ray start --head`` of test_ray_job.py takes ports of its own and stops only its own processes. The ``ray`` marker
 (``-m "not ray"``) selects the tests without a cluster."""
 
 import gc
