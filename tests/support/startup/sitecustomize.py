@@ -33,27 +33,40 @@ def _key(module_path: object, prefix: str | None) -> tuple:
     return (getattr(transformers, "__version__", None), str(module_path), prefix, stamps)
 
 
+# key -> that table pickled on its own: the file is read once per process, and each call unpickles only
+# its own table, a fresh object (transformers changes the tables it is given).
+_tables: dict | None = None
+
+
+def _read_tables() -> dict:
+    try:
+        with open(TABLE, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # noqa: BLE001 - no table yet, or unreadable
+        return {}
+
+
 def _kept(build):
     def define_import_structure(module_path, prefix=None):
+        global _tables
         try:
             key = _key(module_path, prefix)
-            with open(TABLE, "rb") as f:
-                tables = pickle.load(f)
-            return tables[key]
-        except Exception:  # noqa: BLE001 - no table yet, another version's, or unreadable: build it
+            if _tables is None:
+                _tables = _read_tables()
+            return pickle.loads(_tables[key])
+        except Exception:  # noqa: BLE001 - not in the table (another version's, a new install): build it
             pass
         table = build(module_path, prefix)
         try:
-            try:
-                with open(TABLE, "rb") as f:
-                    tables = pickle.load(f)
-            except Exception:  # noqa: BLE001
-                tables = {}
-            tables[key] = table
+            # Another process may have added tables since: merge into the file's current ones. Tables of
+            # installs that are gone (a clean clone's venv, deleted) and of the older format are dropped.
+            tables = {k: v for k, v in _read_tables().items() if isinstance(v, bytes) and os.path.exists(k[1])}
+            tables[key] = pickle.dumps(table)
             partial = f"{TABLE}.{os.getpid()}"
             with open(partial, "wb") as f:
                 pickle.dump(tables, f)
             os.replace(partial, TABLE)  # readers see the old table or the new one, never half of one
+            _tables = tables
         except Exception:  # noqa: BLE001 - a read-only cache costs time, not correctness
             pass
         return table
