@@ -190,8 +190,6 @@ def test_structural_tag_in_vllms_format_and_yaml_defaults():
 def test_an_orphaned_compile_ends_itself_at_its_cpu_bound():
     """A coordinator killed mid-compile leaves its compiler child alone with the schema: the child's own CPU
     bound (set before each compile) ends it, rather than an 89-second compile running on."""
-    import time
-
     from transformers import AutoTokenizer
 
     from coordinator.intake.grammar_check import Child, ChildPool
@@ -200,7 +198,5 @@ def test_an_orphaned_compile_ends_itself_at_its_cpu_bound():
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("loopy"))
     child = Child.start(ChildPool.for_tokenizer(tokenizer, len(tokenizer)).info_json)
     child.conn.send(({"json": json.dumps(nested_schema(450))}, 2.0))
-    started = time.monotonic()
     child.conn.close()  # the parent is gone
-    assert child.proc.wait(timeout=60) == -24  # SIGXCPU
-    assert time.monotonic() - started < 30
+    assert child.proc.wait(timeout=60) == -24  # SIGXCPU: its CPU bound ended it, not the compile's end

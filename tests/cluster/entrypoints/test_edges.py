@@ -232,8 +232,6 @@ def test_python_edges():
 
 def test_rendering_a_chat_template_is_bounded_in_time():
     """The model's template is trusted code, but a line's work through it is bounded (10 s in the job)."""
-    import time
-
     from transformers import AutoTokenizer
 
     from cluster.entrypoints.chat import render_chat
@@ -241,11 +239,10 @@ def test_rendering_a_chat_template_is_bounded_in_time():
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("default"))
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-    started = time.monotonic()
+    # 10^10 loop steps: only a bound that stops the rendering midway raises at all.
     with pytest.raises(ValueError, match="could not render these messages: rendering the chat template took more "
                                          "than 0.5s"):
         render_chat(tokenizer, [{"role": "user", "content": "Hi"}], chat_template=loops, time_limit_s=0.5)
-    assert time.monotonic() - started < 5
 
 
 def test_a_resumed_run_keeps_the_duplicate_rule(config, backend, tmp_path):
