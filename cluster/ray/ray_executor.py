@@ -136,7 +136,10 @@ class RayExecutor(Executor):
                            str(exc).splitlines()[0] if str(exc) else "")
             if hung:
                 # Which actor hangs cannot be asked while the graph runs: stop all of them; they are replaced.
-                self._teardown(kill_actors=True)
+                # Killed before the teardown: it would wait out the hung actor's loop, call_timeout_s more.
+                for worker in self.workers.values():
+                    ray.kill(worker, no_restart=True)
+                self._teardown(actors_killed=True)
                 return WorkersLost(list(self.workers), self._cause(hung))
             self._teardown()
             return WorkersLost([i for i, w in self.workers.items() if not self._alive(w)], self._cause(hung))
@@ -241,21 +244,29 @@ class RayExecutor(Executor):
             logger.warning("compiled graph unavailable (%s); using plain actor calls", exc)
             self._graph = None
 
-    def _teardown(self, kill_actors: bool = False) -> None:
-        """Tear the compiled graph down, waiting at most ``call_timeout_s``: a hung actor must not hang us."""
+    def _teardown(self, actors_killed: bool = False) -> None:
+        """Tear the compiled graph down, waiting at most ``call_timeout_s``: a hung actor must not hang us.
+        ``actors_killed``: its actors were killed first, so Ray's errors at cancelling their loops (a
+        traceback per actor) say nothing new and are not logged."""
         graph, self._graph = self._graph, None
         if graph is None:
             return
 
         def run() -> None:
             try:
-                graph.teardown(kill_actors=kill_actors)
+                graph.teardown()
             except Exception as exc:
-                logger.warning("compiled graph teardown: %s", exc)
+                if not actors_killed:
+                    logger.warning("compiled graph teardown: %s", exc)
 
+        ray_dag_log = logging.getLogger("ray.dag")
+        level = ray_dag_log.level
+        if actors_killed:
+            ray_dag_log.setLevel(logging.CRITICAL)
         thread = threading.Thread(target=run, name="raysample-graph-teardown", daemon=True)
         thread.start()
         thread.join(self.timeout_s)
+        ray_dag_log.setLevel(level)
         if thread.is_alive():
             logger.warning("compiled graph teardown still running after %.0fs; going on without it", self.timeout_s)
 
