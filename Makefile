@@ -1,5 +1,10 @@
 # `make test` and `make run` set everything up from nothing: a fresh clone needs no other step.
-PYTHON ?= python3
+# The interpreter the venv is made from: the distribution's CPython 3.11 where it is there with venv
+# (/usr/bin/python3.11 on Debian and Ubuntu: one static binary, built with profile-guided and link-time
+# optimisation), otherwise python3. A pyenv-style build (libpython as a shared library, position-independent,
+# no PGO) spends about a quarter more CPU on what every process of a run does first, importing torch,
+# transformers and Ray (bench/interpreter.py measures both). 3.11 by name: the torch wheel on disk is for 3.11.
+PYTHON ?= $(shell for p in /usr/bin/python3.11 python3; do $$p -c 'import ensurepip, venv' 2>/dev/null && { echo $$p; exit; }; done; echo python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
